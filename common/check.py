@@ -1,0 +1,100 @@
+"""Correctness: compare with a float64 reference, poison outputs, seeded inputs, argument checks."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _host(a) -> np.ndarray:
+    """A NumPy copy of a NumPy or CuPy array (bf16/fp16 upcast to float64 for comparison)."""
+    if hasattr(a, "get"):
+        a = a.get()
+    a = np.asarray(a)
+    return a.astype(np.float64) if a.dtype.kind in "fc" or a.dtype.itemsize == 2 else a
+
+
+def errors(out, ref) -> tuple[float, float]:
+    """(relative-norm error ||out - ref|| / ||ref||, max abs error). NaN/Inf in out gives inf, inf."""
+    o, r = _host(out).astype(np.float64), np.asarray(ref, dtype=np.float64)
+    if o.shape != r.shape:
+        raise ValueError(f"shape mismatch: output {o.shape} vs reference {r.shape}")
+    finite_ref = np.isfinite(r)
+    if not np.array_equal(np.isfinite(o), finite_ref) or not np.array_equal(o[~finite_ref], r[~finite_ref]):
+        return float("inf"), float("inf")
+    d = o[finite_ref] - r[finite_ref]
+    denom = np.linalg.norm(r[finite_ref])
+    rel = float(np.linalg.norm(d) / denom) if denom > 0 else float(np.linalg.norm(d))
+    return rel, float(np.abs(d).max(initial=0.0))
+
+
+def assert_close(out, ref, rtol: float = 1e-6, atol: float | None = None, name: str = "output") -> tuple:
+    """Fail unless out matches the float64 reference: relative-norm error <= rtol and (if given)
+    max abs error <= atol. NaN where the reference is finite (an unwritten, poisoned element) fails.
+
+    Returns (rel, max_abs) so a notebook can print them.
+    """
+    o = _host(out)
+    r = np.asarray(ref, dtype=np.float64)
+    if o.shape != r.shape:
+        raise AssertionError(f"{name}: shape {o.shape} but the reference has shape {r.shape}")
+    bad = ~np.isfinite(o) & np.isfinite(r)
+    if bad.any():
+        idx = np.argwhere(bad)
+        raise AssertionError(f"{name}: {bad.sum()} of {bad.size} elements are NaN/Inf where the reference is "
+                             f"finite (first at index {tuple(idx[0])}); an unwritten output stays NaN-poisoned")
+    rel, mx = errors(o, r)
+    if not (rel <= rtol) or (atol is not None and not (mx <= atol)):
+        worst = np.unravel_index(np.nanargmax(np.abs(np.nan_to_num(o - r, nan=np.inf))), r.shape) if r.size else ()
+        raise AssertionError(
+            f"{name}: relative-norm error {rel:.3e} (limit {rtol:.1e}), max abs error {mx:.3e}"
+            + (f" (limit {atol:.1e})" if atol is not None else "")
+            + (f"; worst at index {tuple(int(i) for i in worst)}: got {o[worst]!r}, expected {r[worst]!r}"
+               if r.size else ""))
+    return rel, mx
+
+
+def poison(a):
+    """Fill a (CuPy or NumPy) output buffer with NaN (or -1 for integers) so an unwritten element shows."""
+    a.fill(np.nan if np.dtype(a.dtype).kind == "f" or "float" in str(a.dtype) else -1)
+    return a
+
+
+def rand(*shape, dtype=np.float32, seed: int | None = None, low: float = -1.0, high: float = 1.0):
+    """Seeded uniform random NumPy array in [low, high) (never zeros: zeros hide indexing bugs)."""
+    rng = np.random.default_rng(seed)
+    return rng.uniform(low, high, size=shape).astype(dtype)
+
+
+def expect_array(x, name: str, dtype=None, ndim: int | None = None, shape: tuple | None = None,
+                 contiguous: bool = True):
+    """Check a GPU op's argument; raise TypeError/ValueError naming the argument and what was expected.
+
+    `shape` may hold None for a free dimension. Returns x, so wrappers can write `x = expect_array(x, "x")`.
+    """
+    import cupy as cp
+
+    if not isinstance(x, cp.ndarray):
+        hint = " (a NumPy array lives on the CPU; move it with cupy.asarray(x))" if isinstance(x, np.ndarray) else ""
+        raise TypeError(f"{name}: expected a cupy.ndarray on the GPU, got {type(x).__module__}.{type(x).__name__}{hint}")
+    if dtype is not None:
+        dtypes = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
+        if x.dtype not in [np.dtype(d) for d in dtypes]:
+            want = " or ".join(str(np.dtype(d)) for d in dtypes)
+            raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {x.shape}")
+    if shape is not None:
+        if len(shape) != x.ndim or any(s is not None and s != d for s, d in zip(shape, x.shape)):
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            raise ValueError(f"{name}: expected shape {want}, got {x.shape}")
+    if contiguous and not x.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array (got strides {x.strides}); "
+                         f"use cupy.ascontiguousarray({name})")
+    if x.device.id != cp.cuda.Device().id:
+        raise ValueError(f"{name}: lives on GPU {x.device.id}, but the current device is {cp.cuda.Device().id}")
+    return x
+
+
+def launch_grid(n: int, block: int, max_blocks: int | None = None) -> tuple[int]:
+    """Blocks needed to cover n items with `block` threads each, optionally capped (grid-stride kernels)."""
+    blocks = max(1, -(-n // block))
+    return (min(blocks, max_blocks) if max_blocks else blocks,)

@@ -1,0 +1,81 @@
+"""Is there a usable GPU, and what is it? Everything else asks here first."""
+from __future__ import annotations
+
+import functools
+
+try:
+    import cupy as cp
+except Exception as e:  # the course still imports (references, offline compiles) without CuPy
+    cp = None
+    _IMPORT_ERROR = f"CuPy could not be imported ({type(e).__name__}: {e})"
+else:
+    _IMPORT_ERROR = None
+
+
+@functools.lru_cache(maxsize=None)
+def skip_reason() -> str | None:
+    """None when a CUDA GPU is usable, else a sentence saying why not (used for every GPU skip)."""
+    if cp is None:
+        return _IMPORT_ERROR + "; install the course requirements (pip install -r requirements.txt)"
+    try:
+        if not cp.cuda.is_available():
+            return "no CUDA GPU is visible to CuPy (no NVIDIA driver or no device on this machine)"
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"CUDA is not usable here ({type(e).__name__}: {e})"
+    return None
+
+
+def gpu_available() -> bool:
+    return skip_reason() is None
+
+
+def require_gpu() -> None:
+    """Raise a RuntimeError that says what is missing, for code that cannot run without a GPU."""
+    reason = skip_reason()
+    if reason:
+        raise RuntimeError(f"This needs an NVIDIA GPU: {reason}. See docs/environment.md.")
+
+
+@functools.lru_cache(maxsize=None)
+def device_info() -> dict:
+    """Name, compute capability, SM count, L2 size, memory and driver/runtime versions of device 0."""
+    require_gpu()
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    return {
+        "name": name,
+        "compute_capability": (props["major"], props["minor"]),
+        "sm": props["major"] * 10 + props["minor"],
+        "multiprocessors": props["multiProcessorCount"],
+        "l2_bytes": props["l2CacheSize"],
+        "memory_bytes": props["totalGlobalMem"],
+        "shared_per_block_optin": props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]),
+        "shared_per_sm": props["sharedMemPerMultiprocessor"],
+        "registers_per_sm": props["regsPerMultiprocessor"],
+        "max_threads_per_sm": props["maxThreadsPerMultiProcessor"],
+        "driver_version": cp.cuda.runtime.driverGetVersion(),
+        "runtime_version": cp.cuda.runtime.runtimeGetVersion(),
+        "cupy_version": cp.__version__,
+    }
+
+
+def require_arch(sm: int, what: str) -> None:
+    """Raise if the GPU is older than sm (e.g. 80 for bf16 tensor cores), naming what needs it."""
+    have = device_info()["sm"]
+    if have < sm:
+        raise RuntimeError(
+            f"{what} needs compute capability {sm // 10}.{sm % 10} or newer; "
+            f"this GPU ({device_info()['name']}) is {have // 10}.{have % 10}")
+
+
+def describe() -> str:
+    """One line for the top of a notebook or a benchmark table."""
+    if not gpu_available():
+        return f"no GPU: {skip_reason()}"
+    d = device_info()
+    return (f"{d['name']} (sm_{d['sm']}, {d['multiprocessors']} SMs, L2 {d['l2_bytes'] / 2**20:.0f} MiB, "
+            f"{d['memory_bytes'] / 2**30:.0f} GiB), CuPy {d['cupy_version']}, "
+            f"driver {d['driver_version']}, runtime {d['runtime_version']}")

@@ -1,0 +1,50 @@
+// course.cuh - small device helpers shared by the course's kernels.
+// Included with #include "course.cuh" (common/include is on the include path).
+#pragma once
+
+#ifndef FULL_MASK
+#define FULL_MASK 0xffffffffu
+#endif
+
+// Sum over the 32 lanes of a warp with butterfly shuffles: every lane ends with the total.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;
+}
+
+// Maximum over the 32 lanes of a warp; every lane ends with the result.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    return v;
+}
+
+// Sum over a whole block (blockDim.x a multiple of 32, at most 1024). `scratch` holds 32 floats in
+// shared memory. Every thread gets the total. Safe to call repeatedly (it syncs before reusing scratch).
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    v = warp_sum(v);
+    __syncthreads();                       // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+// Maximum over a whole block; same contract as block_sum.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : __int_as_float(0xff800000);
+    return warp_max(v);
+}
+
+// GELU, tanh approximation (GPT-2's "gelu_new").
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k = 0.7978845608028654f;   // sqrt(2/pi)
+    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}

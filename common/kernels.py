@@ -1,0 +1,217 @@
+"""Load `.cu` files as CuPy modules, and compile them without a GPU (NVRTC) to check and size them.
+
+One way to do each thing:
+- `load_module(path, defines=...)` -> a compiled `cupy.RawModule`; `module.get_function(name)` gets a kernel.
+- `compile_offline(path, arch)` -> a `CompileReport` with registers / shared memory / spills per kernel,
+  made by NVRTC (the compiler CuPy uses) on any machine, driver or not. CI compiles every `.cu` this way.
+
+Both prepend `#line 1 "<file>"` so compiler messages name the real file and line, and both raise
+`KernelCompileError` with the offending source line quoted.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+INCLUDE = ROOT / "common" / "include"
+# sm_70 (V100) .. sm_90 (H100/H200); T4 is sm_75, A100 sm_80, RTX 30xx sm_86, L4/RTX 40xx sm_89.
+ARCHS = (70, 75, 80, 86, 89, 90)
+# Flags shared by the GPU path (CuPy) and the offline path (NVRTC), so both compile the same program.
+BASE_OPTIONS = ("--std=c++17",)
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+_DIAG_RE = re.compile(r'^(?P<file>[^\n()]+)\((?P<line>\d+)\): (?P<kind>error|warning)[^:]*: (?P<msg>.*)$', re.M)
+
+
+class KernelCompileError(RuntimeError):
+    """A `.cu` file did not compile; the message names file, line, error and the source line."""
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """An absolute path, or one relative to the current folder (a notebook's), or to the repository."""
+    p = Path(path)
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, ROOT / p]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise FileNotFoundError(f"CUDA source {str(path)!r} not found; looked at: {', '.join(map(str, candidates))}")
+
+
+def _display_name(path: Path) -> str:
+    try:
+        return path.relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _include_dirs(path: Path) -> list[Path]:
+    return [path.parent, INCLUDE]
+
+
+def _headers(path: Path, dirs: list[Path], seen: dict | None = None) -> dict[Path, str]:
+    """Every quoted #include reachable from path, with its text (CuPy's cache key ignores them)."""
+    seen = {} if seen is None else seen
+    for name in _INCLUDE_RE.findall(path.read_text()):
+        for d in [path.parent, *dirs]:
+            h = (d / name).resolve()
+            if h.is_file():
+                if h not in seen:
+                    seen[h] = h.read_text()
+                    _headers(h, dirs, seen)
+                break
+    return seen
+
+
+def _define_options(defines: dict | None) -> list[str]:
+    return [f"-D{k}" if v is None or v is True else f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+
+
+def _source(path: Path) -> str:
+    """The text to compile: the file itself, so messages point at it, plus a fingerprint of its headers."""
+    dirs = _include_dirs(path)
+    headers = _headers(path, dirs)
+    digest = hashlib.sha256("".join(f"{k}\n{v}" for k, v in sorted((str(k), v) for k, v in headers.items()))
+                            .encode()).hexdigest()[:16]
+    # The trailing comment changes CuPy's cache key whenever an included header changes.
+    return f'#line 1 "{_display_name(path)}"\n{path.read_text()}\n// headers: {digest}\n'
+
+
+def _explain(log: str, what: str) -> str:
+    """Turn a compiler log into 'file:line: error: msg' + the quoted source line, errors first."""
+    out = []
+    for m in _DIAG_RE.finditer(log):
+        if m["kind"] != "error":
+            continue
+        file, line = m["file"].strip(), int(m["line"])
+        src = None
+        for base in (ROOT, INCLUDE, Path.cwd()):
+            f = Path(file) if Path(file).is_absolute() else base / file
+            if f.is_file():
+                lines = f.read_text().splitlines()
+                src = lines[line - 1] if 0 < line <= len(lines) else None
+                break
+        out.append(f"{file}:{line}: error: {m['msg']}")
+        if src is not None:
+            out.append(f"    {line:5d} | {src}")
+    head = "\n".join(out) if out else "(no error lines found in the log)"
+    return f"{what} failed to compile:\n{head}\n--- full compiler log ---\n{log.strip()}"
+
+
+_modules: dict = {}
+
+
+def load_module(path: str | os.PathLike, defines: dict | None = None, options: tuple = ()):
+    """Compile a `.cu` file on this machine's GPU and return the `cupy.RawModule`.
+
+    `defines` become `-DNAME=value` (block and tile sizes are compile-time constants in the course's
+    kernels). The file's folder and `common/include` are on the include path. Modules are cached per
+    process; CuPy also caches the binary on disk, keyed by the text (header fingerprint included).
+    """
+    import cupy as cp
+    from common.device import require_gpu
+
+    require_gpu()
+    path = resolve(path)
+    code = _source(path)
+    opts = (*BASE_OPTIONS, *(f"-I{d}" for d in _include_dirs(path)), *_define_options(defines), *options)
+    key = (code, opts)
+    if key not in _modules:
+        module = cp.RawModule(code=code, options=opts)
+        try:
+            module.compile()
+        except cp.cuda.compiler.CompileException as e:
+            raise KernelCompileError(_explain(str(e), _display_name(path))) from None
+        _modules[key] = module
+    return _modules[key]
+
+
+@dataclass
+class KernelResources:
+    name: str
+    registers: int = 0
+    shared_bytes: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+
+
+@dataclass
+class CompileReport:
+    path: str
+    arch: int
+    defines: dict
+    kernels: dict = field(default_factory=dict)   # name -> KernelResources
+    warnings: list = field(default_factory=list)
+    log: str = ""
+
+    def table(self) -> str:
+        rows = [f"{'kernel':32s} {'regs':>5s} {'smem B':>7s} {'stack':>6s} {'spill st/ld':>12s}"]
+        for k in self.kernels.values():
+            rows.append(f"{k.name:32s} {k.registers:5d} {k.shared_bytes:7d} {k.stack_bytes:6d} "
+                        f"{k.spill_stores:5d}/{k.spill_loads:<6d}")
+        return f"{self.path} for sm_{self.arch}:\n" + "\n".join(rows)
+
+
+def _runtime_include() -> Path:
+    """The CUDA headers shipped by the nvidia-cuda-runtime wheel (CUDA 12 and 13 wheel layouts)."""
+    import importlib.util
+    for mod, sub in (("nvidia.cuda_runtime", "include"), ("nvidia.cu13", "include")):
+        spec = importlib.util.find_spec(mod)
+        if spec and spec.submodule_search_locations:
+            for loc in spec.submodule_search_locations:
+                if (Path(loc) / sub / "cuda_runtime.h").is_file():
+                    return Path(loc) / sub
+    raise RuntimeError("CUDA headers not found: install the nvidia-cuda-runtime wheel "
+                       "(it comes with `cupy-cuda12x[ctk]`, see requirements.txt)")
+
+
+_PTXAS_FUNC = re.compile(r"Function properties for (\S+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                         r"(\d+) bytes spill loads", re.S)
+_PTXAS_USED = re.compile(r"Compiling entry function '(\S+)'.*?Used (\d+) registers(?:, used \d+ barriers)?"
+                         r"(?:, (\d+) bytes smem)?", re.S)
+
+
+def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | None = None,
+                    options: tuple = ()) -> CompileReport:
+    """Compile with NVRTC for sm_<arch> without a GPU or driver; report resources per kernel.
+
+    Raises KernelCompileError on an error. Warnings are returned in `report.warnings` (CI fails on them).
+    """
+    from cuda.bindings import nvrtc
+
+    path = resolve(path)
+    code = _source(path).encode()
+    opts = [f"--gpu-architecture=sm_{arch}", *BASE_OPTIONS, "-Xptxas=-v",
+            *(f"-I{d}" for d in _include_dirs(path)), f"-I{_runtime_include()}",
+            *_define_options(defines), *options]
+    err, prog = nvrtc.nvrtcCreateProgram(code, _display_name(path).encode(), 0, [], [])
+    _check_nvrtc(err, nvrtc)
+    try:
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.decode(errors="replace").rstrip("\x00 \n")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelCompileError(_explain(log, f"{_display_name(path)} (sm_{arch})"))
+    report = CompileReport(_display_name(path), arch, dict(defines or {}), log=log)
+    # NVRTC warns that sm_70 is deprecated in CUDA 12.9; that is a fact of the arch list, not of the code.
+    report.warnings = [ln for ln in log.splitlines()
+                       if "warning" in ln and "deprecated" not in ln and not ln.startswith("ptxas info")]
+    for m in _PTXAS_USED.finditer(log):
+        report.kernels[m[1]] = KernelResources(m[1], registers=int(m[2]), shared_bytes=int(m[3] or 0))
+    for m in _PTXAS_FUNC.finditer(log):
+        k = report.kernels.setdefault(m[1], KernelResources(m[1]))
+        k.stack_bytes, k.spill_stores, k.spill_loads = int(m[2]), int(m[3]), int(m[4])
+    return report
+
+
+def _check_nvrtc(err, nvrtc) -> None:
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC call failed: {err}")

@@ -1,0 +1,129 @@
+"""Honest timing: CUDA events around each run, warm-up, many repeats, median and spread, cold L2.
+
+    t = bench(lambda: kernel(grid, block, args), bytes=8 * n, name="axpb v3")
+    print(t)                                   # median, spread, GB/s
+    t.fraction(copy_bandwidth())               # share of the measured memory ceiling
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Timing:
+    """Times in milliseconds; GB/s and TFLOP/s come from the bytes/FLOPs the caller counted."""
+    name: str
+    times_ms: list = field(repr=False)
+    wall_ms: list = field(repr=False)     # host clock around launch + completion (includes launch overhead)
+    bytes: float | None = None
+    flops: float | None = None
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def spread_ms(self) -> tuple[float, float]:
+        """10th and 90th percentile, to judge whether two versions really differ."""
+        q = statistics.quantiles(self.times_ms, n=10) if len(self.times_ms) > 1 else [self.times_ms[0]] * 9
+        return q[0], q[-1]
+
+    @property
+    def wall_median_ms(self) -> float:
+        return statistics.median(self.wall_ms)
+
+    @property
+    def gbps(self) -> float | None:
+        return None if self.bytes is None else self.bytes / (self.median_ms * 1e-3) / 1e9
+
+    @property
+    def tflops(self) -> float | None:
+        return None if self.flops is None else self.flops / (self.median_ms * 1e-3) / 1e12
+
+    def fraction(self, ceiling: float) -> float:
+        """Achieved rate over a ceiling in the same unit (GB/s if bytes were given, else TFLOP/s)."""
+        rate = self.gbps if self.bytes is not None else self.tflops
+        return rate / ceiling
+
+    def __str__(self) -> str:
+        lo, hi = self.spread_ms
+        s = f"{self.name}: {self.median_ms * 1e3:9.1f} us (p10 {lo * 1e3:.1f}, p90 {hi * 1e3:.1f}, n={len(self.times_ms)})"
+        if self.bytes is not None:
+            s += f"  {self.gbps:8.1f} GB/s"
+        if self.flops is not None:
+            s += f"  {self.tflops:7.2f} TFLOP/s"
+        return s
+
+
+@functools.lru_cache(maxsize=None)
+def _flush_buffer():
+    import cupy as cp
+    from common.device import device_info
+    return cp.empty(max(2 * device_info()["l2_bytes"], 8 << 20), dtype=cp.uint8)
+
+
+def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None = None,
+          warmup: int = 3, repeat: int | None = None, target_ms: float = 200.0,
+          flush_l2: bool = True, cpu: bool = False) -> Timing:
+    """Time fn() with CUDA events (or the host clock if cpu=True): warm-up, then `repeat` runs.
+
+    Without `repeat`, as many runs as fit in ~target_ms (10 to 500). With flush_l2, a write over a buffer
+    twice the L2 size precedes every run (outside the timed region), so small inputs are read cold.
+    """
+    if cpu:
+        for _ in range(warmup):
+            fn()
+        t0 = time.perf_counter(); fn(); est = (time.perf_counter() - t0) * 1e3
+        n = repeat or max(5, min(200, int(target_ms / max(est, 1e-3))))
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
+        return Timing(name, times, list(times), bytes, flops)
+
+    import cupy as cp
+    stream = cp.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(); fn(); end.record(); end.synchronize()
+    est = cp.cuda.get_elapsed_time(start, end)
+    n = repeat or max(10, min(500, int(target_ms / max(est, 1e-3))))
+    flush = _flush_buffer() if flush_l2 else None
+    times, walls = [], []
+    for _ in range(n):
+        if flush is not None:
+            flush.fill(1)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        stream.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return Timing(name, times, walls, bytes, flops)
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth() -> float:
+    """Measured device-to-device copy bandwidth in GB/s, counting bytes read + written (cached per process).
+
+    This is the roofline for the course's memory-bound kernels: a kernel that reads and writes each byte
+    once cannot beat a plain copy by much.
+    """
+    import cupy as cp
+    free, _ = cp.cuda.runtime.memGetInfo()
+    nbytes = min(1 << 30, free // 8) // 16 * 16
+    src = cp.empty(nbytes, dtype=cp.uint8)
+    src.fill(7)
+    dst = cp.empty_like(src)
+    kind = cp.cuda.runtime.memcpyDeviceToDevice
+    stream = cp.cuda.get_current_stream()
+    t = bench(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, kind, stream.ptr),
+              name="device-to-device copy", bytes=2 * nbytes, flush_l2=False)
+    return t.gbps

@@ -1,0 +1,129 @@
+"""Python side of step 1: launch the kernels of axpb.cu, zoo.cu, fusion.cu and reduce.cu with checked
+arguments. The notebooks call these; the tests check them against common.reference."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from common import expect_array, launch_grid, load_module, device_info
+
+HERE = Path(__file__).resolve().parent
+VERSIONS = (1, 2, 3, 4)
+
+
+def _out(out, like, name="out"):
+    import cupy as cp
+    if out is None:
+        return cp.empty_like(like)
+    return expect_array(out, name, dtype=like.dtype, shape=like.shape)
+
+
+def _grid_stride_blocks(block: int, per_sm: int = 8) -> int:
+    """A grid-stride kernel needs just enough blocks to fill every SM a few times over."""
+    return device_info()["multiprocessors"] * per_sm * max(1, 1024 // block) // 4
+
+
+def _head(ptr: int, n: int) -> int:
+    """Scalar elements before the first 16-byte-aligned float (float4 kernels)."""
+    return min(n, ((16 - ptr % 16) % 16) // 4)
+
+
+def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, grid: int | None = None):
+    """y = a*x + b on a float32 GPU vector, with kernel axpb_v<version> of axpb.cu."""
+    x = expect_array(x, "x", dtype=np.float32, ndim=1)
+    y = _out(out, x)
+    if version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    if not (32 <= block <= 1024 and block % 32 == 0):
+        raise ValueError(f"block: expected a multiple of 32 between 32 and 1024, got {block}")
+    n = x.size
+    if n == 0:
+        return y
+    args = [x, y, np.float32(a), np.float32(b), np.int64(n)]
+    if version >= 3 and x.data.ptr % 16 != y.data.ptr % 16:
+        version = 2     # x and y sit at different offsets from a 16-byte boundary: no common float4 view
+    if version >= 3:
+        args.append(np.int32(_head(x.data.ptr, n)))
+    kernel = load_module(HERE / "axpb.cu").get_function(f"axpb_v{version}")
+    if version == 1:
+        blocks = launch_grid(n, block)
+    else:
+        blocks = (grid or _grid_stride_blocks(block),)
+    kernel(blocks, (block,), tuple(args))
+    return y
+
+
+ZOO_UNARY = ("relu", "sigmoid", "tanh", "gelu", "exp", "log", "copy")
+ZOO_BINARY = ("add", "sub", "mul", "div", "pow", "relu_backward")
+ZOO_SCALAR = ("add_scalar", "mul_scalar")
+
+
+def zoo(op: str, *inputs, scalar: float | None = None, out=None, shape=None, block: int = 256):
+    """Run zoo_<op> from zoo.cu. Unary/binary ops take 1/2 float32 arrays of one shape (any ndim,
+    contiguous); add_scalar/mul_scalar take one array and `scalar`; fill takes `scalar` and `out` or `shape`."""
+    import cupy as cp
+    arity = {**{o: 1 for o in ZOO_UNARY}, **{o: 2 for o in ZOO_BINARY}, **{o: 1 for o in ZOO_SCALAR}, "fill": 0}
+    if op not in arity:
+        raise ValueError(f"op: expected one of {sorted(arity)}, got {op!r}")
+    if len(inputs) != arity[op]:
+        raise TypeError(f"zoo({op!r}): expected {arity[op]} input array(s), got {len(inputs)}")
+    for i, a in enumerate(inputs):
+        expect_array(a, f"inputs[{i}]", dtype=np.float32)
+        if a.shape != inputs[0].shape:
+            raise ValueError(f"inputs[{i}]: expected shape {inputs[0].shape} like inputs[0], got {a.shape}")
+    if (op in ZOO_SCALAR or op == "fill") and scalar is None:
+        raise TypeError(f"zoo({op!r}): needs scalar=")
+    if op == "fill":
+        if out is None:
+            if shape is None:
+                raise TypeError("zoo('fill'): give out= or shape=")
+            out = cp.empty(shape, dtype=cp.float32)
+        y = expect_array(out, "out", dtype=np.float32)
+    else:
+        y = _out(out, inputs[0])
+    n = y.size
+    if n == 0:
+        return y
+    args = (*inputs, np.float32(scalar), y) if op in ZOO_SCALAR else \
+           ((np.float32(scalar), y) if op == "fill" else (*inputs, y))
+    kernel = load_module(HERE / "zoo.cu").get_function(f"zoo_{op}")
+    kernel((min(launch_grid(n, block)[0], _grid_stride_blocks(block)),), (block,), (*args, np.int64(n)))
+    return y
+
+
+def mul_add_gelu(x, w, b, out=None, block: int = 256):
+    """Fused y = gelu(x * w + b) (fusion.cu), elementwise over float32 arrays of one shape."""
+    x = expect_array(x, "x", dtype=np.float32)
+    w = expect_array(w, "w", dtype=np.float32, shape=x.shape)
+    b = expect_array(b, "b", dtype=np.float32, shape=x.shape)
+    y = _out(out, x)
+    if x.size:
+        kernel = load_module(HERE / "fusion.cu").get_function("mul_add_gelu")
+        kernel((min(launch_grid(x.size, block)[0], _grid_stride_blocks(block)),), (block,),
+               (x, w, b, y, np.int64(x.size)))
+    return y
+
+
+def total(x, version: int = 3, block: int = 256, grid: int | None = None):
+    """Sum of a float32 GPU vector with sum_v<version> of reduce.cu; returns a 0-d float32 CuPy array."""
+    import cupy as cp
+    x = expect_array(x, "x", dtype=np.float32, ndim=1)
+    if version not in (1, 2, 3):
+        raise ValueError(f"version: expected 1, 2 or 3, got {version!r}")
+    if block not in (64, 128, 256, 512, 1024):
+        raise ValueError(f"block: expected a power of two between 64 and 1024, got {block}")
+    n = x.size
+    out = cp.zeros((), dtype=cp.float32)
+    if n == 0:
+        return out
+    mod = load_module(HERE / "reduce.cu", defines={"BLOCK": block})
+    blocks = grid or min(_grid_stride_blocks(block), launch_grid(n, block)[0])
+    if version == 3:
+        mod.get_function("sum_v3")((blocks,), (block,), (x, out, np.int64(n), np.int32(_head(x.data.ptr, n))))
+        return out
+    kernel = mod.get_function(f"sum_v{version}")
+    partial = cp.empty(blocks, dtype=cp.float32)
+    kernel((blocks,), (block,), (x, partial, np.int64(n)))
+    kernel((1,), (block,), (partial, out, np.int64(blocks)))
+    return out

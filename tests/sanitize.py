@@ -1,0 +1,53 @@
+"""Run the course's small GPU test cases under compute-sanitizer (memcheck, then racecheck).
+
+    python tests/sanitize.py                        # every test marked `sanitize`
+    python tests/sanitize.py tests/test_step1.py    # one file
+    python tests/sanitize.py --tool racecheck tests/test_step2.py
+
+Exits non-zero if the sanitizer reports any error. Needs a GPU and compute-sanitizer (it comes with the
+CUDA toolkit; see docs/debugging.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_sanitizer() -> str:
+    for c in (shutil.which("compute-sanitizer"), "/usr/local/cuda/bin/compute-sanitizer",
+              "/opt/nvidia/compute-sanitizer/compute-sanitizer"):
+        if c and Path(c).is_file():
+            return c
+    raise SystemExit("compute-sanitizer not found: install the CUDA toolkit (it ships in "
+                     "<cuda>/bin or /opt/nvidia/compute-sanitizer)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tool", action="append", choices=["memcheck", "racecheck", "initcheck", "synccheck"])
+    p.add_argument("tests", nargs="*", default=["tests"])
+    args = p.parse_args()
+    sanitizer = find_sanitizer()
+    failed = []
+    for tool in args.tool or ["memcheck", "racecheck"]:
+        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20",
+               "--target-processes", "all",
+               sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+               "-m", "sanitize", *args.tests]
+        print("$ " + " ".join(cmd), flush=True)
+        r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        print(f"== {tool}: exit {r.returncode} ({'clean' if r.returncode == 0 else 'ERRORS'})", flush=True)
+        if r.returncode != 0:
+            failed.append(tool)
+    print("compute-sanitizer summary: " + ("0 errors" if not failed else "errors under " + ", ".join(failed)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
