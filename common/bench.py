@@ -1,6 +1,6 @@
 """The course's benchmark table: `python -m common.bench [--only step1_simple ...] [--json FILE]`.
 
-Each step folder has a `benchmarks.py` with `run() -> list[Row]`. Every row carries its anchor, measured
+Each step folder has one or more `benchmarks*.py` modules with `run() -> list[Row]`. Every row carries its anchor, measured
 in the same run (copy bandwidth, cuBLAS, CuPy, torch when installed), and the issue's target if it has one.
 """
 from __future__ import annotations
@@ -77,15 +77,15 @@ def main(argv=None) -> int:
     print(describe(), flush=True)
     print(f"copy bandwidth (read + write): {copy_bandwidth():,.0f} GB/s", flush=True)
     rows, failed = [], []
-    for step in args.only or STEPS:
-        if not (ROOT / step / "benchmarks.py").is_file():
-            continue
+    modules = [f"{step}.{p.stem}" for step in (args.only or STEPS) for p in sorted((ROOT / step).glob("benchmarks*.py"))]
+    for name in modules:
+        print(f"\n== {name}", flush=True)
         try:
-            new = importlib.import_module(f"{step}.benchmarks").run()
-        except Exception as e:   # one broken step should not hide the others' numbers
+            new = importlib.import_module(name).run()
+        except Exception as e:   # one broken module should not hide the others' numbers
             import traceback
             traceback.print_exc()
-            failed.append(f"{step}: {type(e).__name__}: {e}")
+            failed.append(f"{name}: {type(e).__name__}: {e}")
             continue
         print(table(new), flush=True)
         rows += new
