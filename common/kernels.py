@@ -102,6 +102,7 @@ def _explain(log: str, what: str) -> str:
 
 
 _modules: dict = {}
+_recent: dict = {}
 
 
 def load_module(path: str | os.PathLike, defines: dict | None = None, options: tuple = ()):
@@ -109,8 +110,14 @@ def load_module(path: str | os.PathLike, defines: dict | None = None, options: t
 
     `defines` become `-DNAME=value` (block and tile sizes are compile-time constants in the course's
     kernels). The file's folder and `common/include` are on the include path. Modules are cached per
-    process; CuPy also caches the binary on disk, keyed by the text (header fingerprint included).
+    process (re-checked against the files' modification times, so edits take effect); CuPy also caches
+    the binary on disk, keyed by the text (header fingerprint included).
     """
+    fast_key = (str(path), Path.cwd(), tuple(sorted((defines or {}).items())), tuple(options))
+    hit = _recent.get(fast_key)
+    if hit is not None and all(os.stat(f).st_mtime_ns == m for f, m in hit[0]):
+        return hit[1]       # wrappers call this on every launch: keep it to a few stat() calls
+
     import cupy as cp
     from common.device import require_gpu
 
@@ -126,6 +133,8 @@ def load_module(path: str | os.PathLike, defines: dict | None = None, options: t
         except cp.cuda.compiler.CompileException as e:
             raise KernelCompileError(_explain(str(e), _display_name(path))) from None
         _modules[key] = module
+    files = [path, *_headers(path, _include_dirs(path))]
+    _recent[fast_key] = ([(f, os.stat(f).st_mtime_ns) for f in files], _modules[key])
     return _modules[key]
 
 
@@ -165,6 +174,9 @@ def _runtime_include() -> Path:
             for loc in spec.submodule_search_locations:
                 if (Path(loc) / sub / "cuda_runtime.h").is_file():
                     return Path(loc) / sub
+    for home in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_runtime.h").is_file():
+            return Path(home) / "include"
     raise RuntimeError("CUDA headers not found: install the nvidia-cuda-runtime wheel "
                        "(it comes with `cupy-cuda12x[ctk]`, see requirements.txt)")
 
@@ -183,6 +195,9 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
     """
     from cuda.bindings import nvrtc
 
+    if arch not in supported_archs():
+        raise ValueError(f"arch: this NVRTC ({'.'.join(map(str, nvrtc.nvrtcVersion()[1:]))}) compiles for "
+                         f"sm_{', sm_'.join(map(str, supported_archs()))}, not sm_{arch}")
     path = resolve(path)
     code = _source(path).encode()
     opts = [f"--gpu-architecture=sm_{arch}", *BASE_OPTIONS, "-Xptxas=-v",
@@ -212,6 +227,34 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
     return report
 
 
+def supported_archs() -> tuple:
+    """The sm_XX numbers the installed NVRTC can target (CUDA 13 dropped sm_70; CUDA 12.9 has them all)."""
+    from cuda.bindings import nvrtc
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    _check_nvrtc(err, nvrtc)
+    return tuple(int(a) for a in archs)
+
+
 def _check_nvrtc(err, nvrtc) -> None:
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise RuntimeError(f"NVRTC call failed: {err}")
+
+
+def kernel_source(path: str | os.PathLike, name: str) -> str:
+    """The text of one kernel (with the comment block above it) from a `.cu` file, for notebooks to show."""
+    lines = resolve(path).read_text().splitlines()
+    start = next((i for i, ln in enumerate(lines) if re.search(rf"\b{re.escape(name)}\s*\(", ln)
+                  and "__global__" in " ".join(lines[max(0, i - 1):i + 1])), None)
+    if start is None:
+        raise KeyError(f"kernel {name!r} not found in {path}")
+    if "__global__" not in lines[start]:
+        start -= 1
+    first = start
+    while first > 0 and lines[first - 1].lstrip().startswith("//"):
+        first -= 1
+    depth, end = 0, start
+    for end in range(start, len(lines)):
+        depth += lines[end].count("{") - lines[end].count("}")
+        if depth == 0 and "}" in lines[end]:
+            break
+    return "\n".join(lines[first:end + 1])

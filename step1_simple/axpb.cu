@@ -7,8 +7,9 @@
 //   v2  grid-stride loop: a fixed grid (a few blocks per SM) walks over any n; launch size is a choice.
 //   v3  vectorized: float4 loads/stores (16 bytes per instruction) inside the grid-stride loop, with
 //       a scalar head (for views that start off a 16-byte boundary) and a scalar tail (n % 4 != 0).
-//   v4  more bytes in flight: each thread issues UNROLL independent float4 loads before using any of
-//       them, so fewer threads are needed to hide DRAM latency.
+//   v4  more bytes in flight: each block streams a contiguous tile, each thread issuing UNROLL
+//       independent float4 loads before using any of them. By Little's law, bandwidth = bytes in flight
+//       / latency: one 16-byte load per thread is not enough to cover DRAM latency on a fast GPU.
 //
 // Compile-time knob: UNROLL (v4, default 4).
 
@@ -50,29 +51,30 @@ extern "C" __global__ void axpb_v3(const float* __restrict__ x, float* __restric
     if (t < n) y[t] = a * x[t] + b;
 }
 
-// v4: like v3, but each thread loads UNROLL float4s (spaced a grid apart, so still coalesced) before
-// it computes and stores any: UNROLL independent 16-byte loads in flight per thread.
+// v4: like v3, but each block owns a contiguous tile of UNROLL * blockDim float4s per trip, and each
+// thread issues its UNROLL loads (blockDim apart, so every load instruction of a warp is still one
+// coalesced 512-byte request) before it computes and stores any of them: UNROLL independent 16-byte
+// loads in flight per thread, on neighbouring DRAM pages. Full tiles need no bounds checks.
 extern "C" __global__ void axpb_v4(const float* __restrict__ x, float* __restrict__ y,
                                    float a, float b, long long n, int head) {
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
     if (tid < head) y[tid] = a * x[tid] + b;
     const long long nvec = (n - head) / 4;
     const float4* __restrict__ x4 = reinterpret_cast<const float4*>(x + head);
     float4* __restrict__ y4 = reinterpret_cast<float4*>(y + head);
-    for (long long base = tid; base < nvec; base += stride * UNROLL) {
+    const long long tile = (long long)UNROLL * blockDim.x;
+    const long long full_tiles = nvec / tile;
+    for (long long t = blockIdx.x; t < full_tiles; t += gridDim.x) {
+        const long long base = t * tile + threadIdx.x;
         float4 v[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const long long i = base + u * stride;
-            if (i < nvec) v[u] = __ldcs(x4 + i);     // streaming load: read once, don't keep in cache
-        }
+        for (int u = 0; u < UNROLL; ++u) v[u] = x4[base + u * blockDim.x];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const long long i = base + u * stride;
-            if (i < nvec) __stcs(y4 + i, axpb4(v[u], a, b));
-        }
+        for (int u = 0; u < UNROLL; ++u) y4[base + u * blockDim.x] = axpb4(v[u], a, b);
     }
+    // the last partial tile: plain grid-stride over what is left
+    for (long long i = full_tiles * tile + tid; i < nvec; i += (long long)gridDim.x * blockDim.x)
+        y4[i] = axpb4(x4[i], a, b);
     const long long t = head + nvec * 4 + tid;
     if (t < n) y[t] = a * x[t] + b;
 }

@@ -29,8 +29,10 @@ def _head(ptr: int, n: int) -> int:
     return min(n, ((16 - ptr % 16) % 16) // 4)
 
 
-def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, grid: int | None = None):
-    """y = a*x + b on a float32 GPU vector, with kernel axpb_v<version> of axpb.cu."""
+def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, grid: int | None = None,
+         unroll: int = 4):
+    """y = a*x + b on a float32 GPU vector, with kernel axpb_v<version> of axpb.cu (`unroll`: v4's
+    float4 loads in flight per thread)."""
     x = expect_array(x, "x", dtype=np.float32, ndim=1)
     y = _out(out, x)
     if version not in VERSIONS:
@@ -45,7 +47,9 @@ def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, gr
         version = 2     # x and y sit at different offsets from a 16-byte boundary: no common float4 view
     if version >= 3:
         args.append(np.int32(_head(x.data.ptr, n)))
-    kernel = load_module(HERE / "axpb.cu").get_function(f"axpb_v{version}")
+    if unroll not in (1, 2, 4, 8):
+        raise ValueError(f"unroll: expected 1, 2, 4 or 8, got {unroll}")
+    kernel = load_module(HERE / "axpb.cu", defines={"UNROLL": unroll}).get_function(f"axpb_v{version}")
     if version == 1:
         blocks = launch_grid(n, block)
     else:
@@ -105,8 +109,9 @@ def mul_add_gelu(x, w, b, out=None, block: int = 256):
     return y
 
 
-def total(x, version: int = 3, block: int = 256, grid: int | None = None):
-    """Sum of a float32 GPU vector with sum_v<version> of reduce.cu; returns a 0-d float32 CuPy array."""
+def total(x, version: int = 3, block: int = 256, grid: int | None = None, unroll: int = 4):
+    """Sum of a float32 GPU vector with sum_v<version> of reduce.cu; returns a 0-d float32 CuPy array.
+    (`unroll`: v3's float4 loads in flight per thread.)"""
     import cupy as cp
     x = expect_array(x, "x", dtype=np.float32, ndim=1)
     if version not in (1, 2, 3):
@@ -117,7 +122,9 @@ def total(x, version: int = 3, block: int = 256, grid: int | None = None):
     out = cp.zeros((), dtype=cp.float32)
     if n == 0:
         return out
-    mod = load_module(HERE / "reduce.cu", defines={"BLOCK": block})
+    if unroll not in (1, 2, 4, 8):
+        raise ValueError(f"unroll: expected 1, 2, 4 or 8, got {unroll}")
+    mod = load_module(HERE / "reduce.cu", defines={"BLOCK": block, "UNROLL": unroll})
     blocks = grid or min(_grid_stride_blocks(block), launch_grid(n, block)[0])
     if version == 3:
         mod.get_function("sum_v3")((blocks,), (block,), (x, out, np.int64(n), np.int32(_head(x.data.ptr, n))))

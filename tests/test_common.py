@@ -67,3 +67,11 @@ def test_expect_array_rejects_numpy_with_a_hint():
     from common import expect_array
     with pytest.raises(TypeError, match=r"x: expected a cupy.ndarray.*cupy.asarray"):
         expect_array(np.zeros(3, np.float32), "x")
+
+
+def test_kernel_source_extracts_one_kernel_with_its_comment():
+    from common import kernel_source
+    src = kernel_source("step1_simple/axpb.cu", "axpb_v2")
+    assert src.startswith("// v2") and "axpb_v2" in src and "axpb_v3" not in src and src.rstrip().endswith("}")
+    with pytest.raises(KeyError):
+        kernel_source("step1_simple/axpb.cu", "nope")

@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from common.kernels import ARCHS, ROOT, KernelCompileError, compile_offline
+import os
+
+from common.kernels import ARCHS, ROOT, KernelCompileError, compile_offline, supported_archs
 
 SOURCES = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("step*/*.cu"))
 
@@ -16,6 +18,10 @@ def test_sources_found():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES)
 def test_compiles(source, arch):
+    if arch not in supported_archs():
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must check sm_{arch}, but this NVRTC supports only {supported_archs()}")
+        pytest.skip(f"the installed NVRTC cannot target sm_{arch} (CUDA 13 dropped it); CI checks it with NVRTC 12.9")
     report = compile_offline(source, arch)
     assert not report.warnings, f"{source} sm_{arch} warnings:\n" + "\n".join(report.warnings)
     assert report.kernels, f"{source}: no kernels in the ptxas report:\n{report.log}"
