@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from common import bench, copy_bandwidth, device_info
-from common.bench import Row
+from common.benchmarks import Row
 from step1_simple import ops
 
 N = 256 * 2 ** 20          # 256M fp32 = 1 GiB per array: far larger than any L2

@@ -75,3 +75,10 @@ def test_kernel_source_extracts_one_kernel_with_its_comment():
     assert src.startswith("// v2") and "axpb_v2" in src and "axpb_v3" not in src and src.rstrip().endswith("}")
     with pytest.raises(KeyError):
         kernel_source("step1_simple/axpb.cu", "nope")
+
+
+def test_benchmark_runner_import_does_not_shadow_bench():
+    import common
+    import common.benchmarks  # noqa: F401  (the runner module)
+    from common import bench as b
+    assert callable(b) and b is common.timing.bench

@@ -1,4 +1,4 @@
-"""The course's benchmark table: `python -m common.bench [--only step1_simple ...] [--json FILE]`.
+"""The course's benchmark table: `python -m common.benchmarks [--only step1_simple ...] [--json FILE]`.
 
 Each step folder has one or more `benchmarks*.py` modules with `run() -> list[Row]`. Every row carries its anchor, measured
 in the same run (copy bandwidth, cuBLAS, CuPy, torch when installed), and the issue's target if it has one.

@@ -1,0 +1,147 @@
+"""Step 2b benchmark rows: attention at B=8, H=12, D=64, causal, T = 128 .. 2048 (naive three kernels,
+cuBLAS-based, fused fp32, tensor cores fp16/bf16, torch SDPA when installed), tile-size sweeps at
+T=1024, and decode attention vs the bytes floor. FLOPs: 4*B*H*T*T*D / 2 for causal attention (only the
+visible half counts, the FlashAttention convention), the same count for every row."""
+from __future__ import annotations
+
+import numpy as np
+
+from common import rand
+from common.timing import bench, copy_bandwidth   # not `from common import bench`: the common.benchmarks module shadows it
+from common.benchmarks import Row
+
+B, H, D = 8, 12, 64
+TS = (128, 256, 512, 1024, 2048)
+TARGET_T = 1024
+
+
+def _torch_sdpa():
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    def make(q, k, v, dtype, backend):
+        tq, tk, tv = (torch.as_tensor(x, device="cuda").to(dtype) for x in (q, k, v))
+        f = torch.nn.functional.scaled_dot_product_attention
+
+        def run():
+            with sdpa_kernel(backend):
+                return f(tq, tk, tv, is_causal=True)
+        return run
+    return make, SDPBackend, torch
+
+
+def attention_rows(ts=TS) -> list[Row]:
+    import cupy as cp
+    from step2_attention import flash, ops
+    rows = []
+    sdpa = _torch_sdpa()
+    for T in ts:
+        q, k, v = (cp.asarray(rand(B, H, T, D, seed=i)) for i in range(3))
+        flops = ops.attention_flops(B, H, T, D, causal=True)
+        size = f"B{B} H{H} T{T} D{D}"
+        tgt = T == TARGET_T
+        out = cp.empty_like(q)
+        t_naive = bench(lambda: ops.attention_naive(q, k, v, out=out), name="attention naive (3 kernels)", flops=flops)
+        t_cublas = bench(lambda: ops.attention_cublas(q, k, v), name="attention cuBLAS + softmax", flops=flops)
+        t_fused = bench(lambda: flash.flash_attention(q, k, v, out=out), name="flash fp32 v3", flops=flops)
+        rows += [Row.of(t_naive, size), Row.of(t_cublas, size, anchor=("naive", t_naive)),
+                 Row.of(t_fused, size, anchor=("naive", t_naive), target=("ratio", 3.0) if tgt else None)]
+        t_torch32 = t_torch16 = None
+        if sdpa:
+            make, backend, torch = sdpa
+            t_torch32 = bench(make(q, k, v, torch.float32, backend.EFFICIENT_ATTENTION),
+                              name="torch SDPA fp32 (mem-efficient)", flops=flops)
+            rows.append(Row.of(t_torch32, size))
+            rows.append(Row.of(t_fused, size, anchor=("torch fp32", t_torch32),
+                               target=("ratio", 1.0) if tgt else None))
+        for dtype in ("fp16", "bf16"):
+            try:
+                if dtype == "fp16":
+                    flash.require_arch(75, "fp16 tensor-core attention")
+                    qh, kh, vh = (x.astype(cp.float16) for x in (q, k, v))
+                else:
+                    flash.require_arch(80, "bf16 tensor cores")
+                    qh, kh, vh = (flash.to_bf16(x) for x in (q, k, v))
+            except RuntimeError as e:
+                print(f"skipping {dtype} tensor cores: {e}")
+                continue
+            oh = cp.empty_like(qh)
+            t_tc = bench(lambda: flash.flash_attention_tc(qh, kh, vh, out=oh), name=f"flash tensor cores {dtype}",
+                         flops=flops)
+            if sdpa:
+                tdt = torch.float16 if dtype == "fp16" else torch.bfloat16
+                t_t = bench(make(q, k, v, tdt, backend.FLASH_ATTENTION), name=f"torch SDPA {dtype} (flash)", flops=flops)
+                rows.append(Row.of(t_t, size))
+                rows.append(Row.of(t_tc, size, anchor=(f"torch {dtype}", t_t),
+                                   target=("ratio", 0.5) if tgt and dtype == "bf16" else None))
+            else:
+                rows.append(Row.of(t_tc, size, anchor=("fp32 flash", t_fused)))
+        del q, k, v, out
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def tile_rows(T=TARGET_T) -> list[Row]:
+    """The compile-time tile sizes, measured: what flash.TILES / flash.TC_TILES defaults were chosen from."""
+    import cupy as cp
+    from step2_attention import flash, ops
+    q, k, v = (cp.asarray(rand(B, H, T, D, seed=i)) for i in range(3))
+    flops = ops.attention_flops(B, H, T, D, causal=True)
+    out = cp.empty_like(q)
+    rows = []
+    for t in ({"BR": 64, "BC": 64, "TM": 4}, {"BR": 64, "BC": 32, "TM": 4}, {"BR": 128, "BC": 64, "TM": 4},
+              {"BR": 128, "BC": 32, "TM": 8}, {"BR": 32, "BC": 64, "TM": 2}):
+        name = f"flash fp32 v3 BR{t['BR']} BC{t['BC']} TM{t['TM']}"
+        rows.append(Row.of(bench(lambda: flash.flash_attention(q, k, v, out=out, tiles=t), name=name, flops=flops),
+                           f"T{T}"))
+    for v_ in (1, 2):
+        rows.append(Row.of(bench(lambda: flash.flash_attention(q, k, v, out=out, version=v_),
+                                 name=f"flash fp32 v{v_}", flops=flops), f"T{T}"))
+    try:
+        flash.require_arch(80, "bf16 tensor cores")
+        qb, kb, vb = (flash.to_bf16(x) for x in (q, k, v))
+        ob = cp.empty_like(qb)
+        for t in ({"WARPS": 4, "BC": 64}, {"WARPS": 8, "BC": 64}, {"WARPS": 4, "BC": 32}, {"WARPS": 8, "BC": 32}):
+            name = f"flash tc bf16 WARPS{t['WARPS']} BC{t['BC']}"
+            rows.append(Row.of(bench(lambda: flash.flash_attention_tc(qb, kb, vb, out=ob, tiles=t), name=name,
+                                     flops=flops), f"T{T}"))
+    except RuntimeError as e:
+        print(f"skipping bf16 tile sweep: {e}")
+    return rows
+
+
+def decode_rows() -> list[Row]:
+    import cupy as cp
+    from step2_attention import flash
+    rows, bw = [], copy_bandwidth()
+    for b in (1, 8):
+        for L in (256, 1024):
+            q = cp.asarray(rand(b, H, D, seed=1))
+            kc, vc = (cp.asarray(rand(b, H, L, D, seed=s)) for s in (2, 3))
+            lens = cp.full((b,), L, dtype=cp.int32)
+            out = cp.empty_like(q)
+            nbytes = 2 * b * H * L * D * 4 + 2 * q.nbytes
+            t1 = bench(lambda: flash.decode_attention(q, kc, vc, lens, out=out, version=1),
+                       name="decode attention v1 (block per head)", bytes=nbytes)
+            t2 = bench(lambda: flash.decode_attention(q, kc, vc, lens, out=out, version=2),
+                       name=f"decode attention v2 (split-K x{flash.decode_split_count(b, H, L)[0]})", bytes=nbytes)
+            size = f"B{b} H{H} L{L} D{D}"
+            rows += [Row.of(t1, size, ceiling=("copy bw", bw)),
+                     Row.of(t2, size, ceiling=("copy bw", bw), anchor=("v1", t1))]
+    return rows
+
+
+def run() -> list[Row]:
+    return attention_rows() + tile_rows() + decode_rows()
+
+
+if __name__ == "__main__":
+    from common.benchmarks import table
+    print(table(run()))

@@ -1,0 +1,231 @@
+"""Fused attention for the rest of the course: fp32 flash attention (flash_attention.cu), its variant
+that reads GPT-2's fused QKV buffer, tensor-core attention in fp16/bf16 (flash_attention_tc.cu) and
+decode attention against a KV cache (decode_attention.cu).
+
+CuPy has no bfloat16 dtype: bf16 tensors travel as uint16 arrays holding the bf16 bit patterns
+(`to_bf16` / `bf16_to_float32` convert). A CuPy dtype named "bfloat16" (ml_dtypes) is accepted too.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+
+from common import expect_array, load_module, require_arch, device_info
+
+HERE = Path(__file__).resolve().parent
+VERSIONS = (1, 2, 3)
+BEST = 3
+HEAD_DIMS = (32, 64)
+LOG2E = 1.4426950408889634
+# tile sizes of flash_attention.cu v2/v3 (compile-time defines; benchmarks_flash.py can sweep them)
+TILES = {"BR": 64, "BC": 64, "TM": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(file: str, name: str, **defines):
+    """Cached per process: a lookup here costs nothing between the timing events (load_module re-reads
+    the source to check for edits; restart the kernel after editing a .cu)."""
+    return load_module(HERE / file, defines=defines).get_function(name)
+
+
+def _ptr(a) -> np.uint64:
+    return np.uint64(0 if a is None else a.data.ptr)
+
+
+def _fp32_smem(d: int, t: dict) -> int:
+    kp = max(t["BC"] * (d + 4), t["BR"] * (t["BC"] + 8))
+    return (t["BR"] * (d + 4) + kp + t["BC"] * d) * 4
+
+
+def _scale(scale, d) -> float:
+    s = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not s > 0:
+        raise ValueError(f"scale: expected a positive number, got {scale!r}")
+    return s
+
+
+def _launch_fp32(q, k, v, bias, out, B, H, T, d, strides, ostrides, scale, causal, version, tiles=None):
+    import cupy as cp
+    if version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    if version == 3 and any(a.data.ptr % 16 for a in (q, k, v, out)):
+        version = 2    # float4 loads need 16-byte aligned rows
+    bq, bk, bv = bias if bias is not None else (None, None, None)
+    # raw pointers: k and v may be column views into the fused QKV buffer
+    args = (_ptr(q), _ptr(k), _ptr(v), _ptr(bq), _ptr(bk), _ptr(bv), _ptr(out), np.int32(T), np.int32(H),
+            *(np.int64(s) for s in strides), *(np.int64(s) for s in ostrides),
+            np.float32(scale * LOG2E), np.int32(bool(causal)))
+    t = tiles or TILES
+    kernel = _kernel("flash_attention.cu", f"flash_v{version}", HEAD_DIM=d, **t)
+    if version == 1:
+        kernel((-(-T // 4), B * H), (128,), args)
+    else:
+        smem = _fp32_smem(d, t)
+        kernel.max_dynamic_shared_size_bytes = smem
+        kernel((-(-T // t["BR"]), B * H), ((t["BR"] // t["TM"]) * 8,), args, shared_mem=smem)
+    return out
+
+
+def flash_attention(q, k, v, causal: bool = True, scale: float | None = None, out=None, version: int = BEST,
+                    tiles: dict | None = None):
+    """Fused attention, fp32, q/k/v/out (B, H, T, D) contiguous, D in {32, 64}; softmax(q k^T * scale) v."""
+    import cupy as cp
+    q = expect_array(q, "q", dtype=np.float32, ndim=4)
+    B, H, T, d = q.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: expected head dim D in {HEAD_DIMS}, got shape {q.shape}")
+    k = expect_array(k, "k", dtype=np.float32, shape=q.shape)
+    v = expect_array(v, "v", dtype=np.float32, shape=q.shape)
+    out = cp.empty_like(q) if out is None else expect_array(out, "out", dtype=np.float32, shape=q.shape)
+    if q.size == 0:
+        return out
+    st = (H * T * d, T * d, d)
+    return _launch_fp32(q, k, v, None, out, B, H, T, d, st, st, _scale(scale, d), causal, version, tiles)
+
+
+def flash_attention_qkv(qkv, n_head: int, causal: bool = True, bias=None, out=None, scale: float | None = None,
+                        version: int = BEST):
+    """Attention straight from GPT-2's c_attn output: qkv (B, T, 3C) fp32 = [q | k | v] along the last
+    axis, head h at columns h*D .. h*D+D-1 of each C block; optional bias (3C,) is added while loading.
+    Returns the merged-heads output (B, T, C), ready for c_proj. No permute, one launch."""
+    import cupy as cp
+    qkv = expect_array(qkv, "qkv", dtype=np.float32, ndim=3)
+    B, T, C3 = qkv.shape
+    if C3 % 3:
+        raise ValueError(f"qkv: expected a last dim of 3*C, got shape {qkv.shape}")
+    C = C3 // 3
+    if not isinstance(n_head, (int, np.integer)) or n_head <= 0 or C % n_head:
+        raise ValueError(f"n_head: expected a positive divisor of C={C}, got {n_head!r}")
+    d = C // n_head
+    if d not in HEAD_DIMS:
+        raise ValueError(f"n_head: head dim C/n_head = {d}, expected one of {HEAD_DIMS}")
+    if bias is not None:
+        bias = expect_array(bias, "bias", dtype=np.float32, shape=(C3,))
+    out = cp.empty((B, T, C), dtype=cp.float32) if out is None else \
+        expect_array(out, "out", dtype=np.float32, shape=(B, T, C))
+    if qkv.size == 0:
+        return out
+    biases = None if bias is None else (bias, bias[C:], bias[2 * C:])
+    if version == 3 and bias is not None and any(b.data.ptr % 16 for b in biases):
+        version = 2
+    return _launch_fp32(qkv, qkv[..., C:], qkv[..., 2 * C:], biases, out, B, n_head, T, d,
+                        (T * C3, d, C3), (T * C, d, C), _scale(scale, d), causal, version)
+
+
+# ----------------------------------------------------------------------------------- tensor cores
+def _is_bf16(a) -> bool:
+    return a.dtype == np.uint16 or a.dtype.name == "bfloat16"
+
+
+def to_bf16(x):
+    """float32 CuPy array -> uint16 array of bf16 bit patterns (round to nearest even)."""
+    import cupy as cp
+    x = expect_array(x, "x", dtype=np.float32, contiguous=False)
+    u = cp.ascontiguousarray(x).view(cp.uint32)
+    return ((u + cp.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(cp.uint16)
+
+
+def bf16_to_float32(x):
+    """uint16 bf16 bit patterns -> float32."""
+    import cupy as cp
+    x = expect_array(x, "x", dtype=(np.uint16,), contiguous=False)
+    return (x.astype(cp.uint32) << 16).view(cp.float32)
+
+
+TC_TILES = {"WARPS": 4, "BC": 64}   # flash_attention_tc.cu: 16*WARPS query rows per block, BC keys per tile
+
+
+def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None, out=None, tiles: dict | None = None,
+                       fp32_fallback: bool | None = None):
+    """Tensor-core flash attention: q/k/v (B, H, T, D) fp16, or bf16 (uint16 bit patterns), D in
+    {32, 64, 128}; fp32 accumulation; returns the input dtype. fp16 needs sm_75+, bf16 sm_80+.
+
+    On a V100 (sm_70), which lacks the m16n8k8 instruction, fp16 inputs run through the fp32 flash kernel
+    (upcast, attend, round back) with a warning: same results within fp16 tolerance, no tensor cores.
+    `fp32_fallback=True` forces that path on any GPU (the tests use it); None means "only on sm_70"."""
+    import cupy as cp
+    q = expect_array(q, "q", ndim=4)
+    if q.dtype != np.float16 and not _is_bf16(q):
+        raise TypeError(f"q: expected dtype float16, or bfloat16 as uint16 bit patterns, got {q.dtype}")
+    B, H, T, d = q.shape
+    if d not in (32, 64, 128):
+        raise ValueError(f"q: expected head dim D in (32, 64, 128), got shape {q.shape}")
+    k = expect_array(k, "k", dtype=q.dtype, shape=q.shape)
+    v = expect_array(v, "v", dtype=q.dtype, shape=q.shape)
+    out = cp.empty_like(q) if out is None else expect_array(out, "out", dtype=q.dtype, shape=q.shape)
+    bf16 = _is_bf16(q)
+    if bf16:
+        require_arch(80, "bf16 tensor cores (mma.sync m16n8k16.bf16)")
+    elif fp32_fallback or (fp32_fallback is None and device_info()["sm"] < 75):
+        if d not in HEAD_DIMS:
+            raise ValueError(f"q: the fp32 fallback supports head dim D in {HEAD_DIMS}, got shape {q.shape}")
+        if fp32_fallback is None:
+            import warnings
+            warnings.warn("fp16 tensor-core attention needs sm_75 (mma.sync m16n8k8); this GPU is sm_70, so "
+                          "flash_attention_tc runs the fp32 flash kernel on upcast inputs instead", stacklevel=2)
+        res = flash_attention(q.astype(cp.float32), k.astype(cp.float32), v.astype(cp.float32), causal, scale)
+        out[...] = res.astype(cp.float16)
+        return out
+    if q.size == 0:
+        return out
+    t = tiles or TC_TILES
+    warps, bc = t["WARPS"], t["BC"]
+    smem = (16 * warps + 4 * bc) * (d + 8) * 2
+    kernel = _kernel("flash_attention_tc.cu", "flash_tc_bf16" if bf16 else "flash_tc_fp16", HEAD_DIM=d, **t)
+    kernel.max_dynamic_shared_size_bytes = smem
+    kernel((-(-T // (16 * warps)), B * H), (32 * warps,),
+           (q, k, v, out, np.int32(T), np.float32(_scale(scale, d) * LOG2E), np.int32(bool(causal))),
+           shared_mem=smem)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ decode
+_workspaces: dict = {}
+
+
+def decode_split_count(B: int, H: int, Lmax: int) -> tuple[int, int]:
+    """(n_split, chunk): enough blocks for ~2 waves over the SMs, chunks of at least 64 cache rows."""
+    sms = device_info()["multiprocessors"]
+    want = max(1, -(-2 * sms // (B * H)))
+    chunk = max(64, -(-Lmax // want))
+    chunk = -(-chunk // 64) * 64
+    return -(-Lmax // chunk), chunk
+
+
+def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None = None, version: int = 2):
+    """One query per (sequence, head) against a KV cache: q (B, H, D) fp32, caches (B, H, Lmax, D) fp32,
+    lengths (B,) int32 on the GPU (1 <= lengths[b] <= Lmax, read on the device). With `out` given and
+    after one call with these shapes, the call only launches kernels: safe inside a CUDA graph capture.
+    version 1: one block per (sequence, head); 2: split-K over the cache + a combine kernel."""
+    import cupy as cp
+    q = expect_array(q, "q", dtype=np.float32, ndim=3)
+    B, H, d = q.shape
+    if d not in (32, 64, 128):
+        raise ValueError(f"q: expected head dim D in (32, 64, 128), got shape {q.shape}")
+    k_cache = expect_array(k_cache, "k_cache", dtype=np.float32, shape=(B, H, None, d))
+    Lmax = k_cache.shape[2]
+    v_cache = expect_array(v_cache, "v_cache", dtype=np.float32, shape=(B, H, Lmax, d))
+    lengths = expect_array(lengths, "lengths", dtype=np.int32, shape=(B,))
+    out = cp.empty_like(q) if out is None else expect_array(out, "out", dtype=np.float32, shape=q.shape)
+    if version not in (1, 2):
+        raise ValueError(f"version: expected 1 or 2, got {version!r}")
+    if any(a.data.ptr % 16 for a in (q, k_cache, v_cache)):
+        raise ValueError("q, k_cache, v_cache: expected 16-byte aligned arrays (float4 loads)")
+    if Lmax == 0:
+        raise ValueError(f"k_cache: expected at least one cache row, got shape {k_cache.shape}")
+    if q.size == 0:
+        return out
+    n_split, chunk = decode_split_count(B, H, Lmax) if version == 2 else (1, Lmax)
+    key = (B, H, d, n_split, cp.cuda.Device().id)
+    if n_split > 1 and key not in _workspaces:
+        _workspaces[key] = cp.empty((B * H * n_split * (d + 2),), dtype=cp.float32)
+    partial = _workspaces[key] if n_split > 1 else None
+    args = (q, k_cache, v_cache, lengths, out, _ptr(partial), np.int32(H), np.int32(Lmax), np.int32(chunk),
+            np.float32(_scale(scale, d) * LOG2E))
+    _kernel("decode_attention.cu", "decode_split", HEAD_DIM=d)((B * H, n_split), (128,), args)
+    if n_split > 1:
+        _kernel("decode_attention.cu", "decode_combine", HEAD_DIM=d)((B * H,), (d,), (partial, out, np.int32(n_split)))
+    return out

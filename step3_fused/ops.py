@@ -1,0 +1,484 @@
+"""Python side of step 3: LayerNorm (four versions), the fused residual + bias + LayerNorm, the GPT-2
+attention sublayer as an unfused and a fused pipeline, the decode-step sublayer tail (separate kernels,
+two kernels, one kernel), and the "when fusion hurts" experiments. Every wrapper checks its arguments
+and returns CuPy arrays; with `out=` buffers given, layernorm / residual_layernorm / decode_sublayer
+allocate nothing and never synchronise with the host, so they can be captured in a CUDA graph."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common import expect_array, launch_grid, load_module, device_info
+
+HERE = Path(__file__).resolve().parent
+LN_VERSIONS = (1, 2, 3, 4)
+ROWS_PER_BLOCK = 8            # BLOCK = 256 threads = 8 warps, one row per warp (v2 .. v4, residual_layernorm)
+GLUE_BLOCK = 256
+
+
+class _Module:
+    """load_module once per (file, defines), then hand out cached kernels: load_module re-reads and hashes
+    the source on every call (so edits take effect), which costs tens of microseconds - as much as a small
+    kernel runs. The decode and LayerNorm wrappers are called per token, so they look kernels up here."""
+    _cache: dict = {}
+
+    def __init__(self, name, defines):
+        self.module = load_module(HERE / name, defines=defines)
+        self.functions = {}
+
+    def get_function(self, kernel):
+        if kernel not in self.functions:
+            self.functions[kernel] = self.module.get_function(kernel)
+        return self.functions[kernel]
+
+
+def _mod(name: str, defines: dict | None = None):
+    import cupy as cp
+    key = (name, tuple(sorted((defines or {}).items())), cp.cuda.Device().id)
+    if key not in _Module._cache:
+        _Module._cache[key] = _Module(name, defines)
+    return _Module._cache[key]
+
+
+def _aligned(*arrays) -> bool:
+    return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _vec(C: int, *arrays) -> bool:
+    """float4 loads are legal when every row starts on a 16-byte boundary."""
+    return C % 4 == 0 and _aligned(*arrays)
+
+
+def _grid_stride(n: int, block: int = GLUE_BLOCK) -> tuple[int]:
+    return launch_grid(n, block, max_blocks=device_info()["multiprocessors"] * 16)
+
+
+def _out(out, name, shape, dtype=np.float32):
+    import cupy as cp
+    if out is None:
+        return cp.empty(shape, dtype=dtype)
+    return expect_array(out, name, dtype=dtype, shape=shape)
+
+
+def _rows(x, name="x"):
+    x = expect_array(x, name, dtype=np.float32, ndim=2)
+    if x.shape[1] == 0:
+        raise ValueError(f"{name}: expected at least one column, got shape {x.shape}")
+    return x
+
+
+# ------------------------------------------------------------------------------------ LayerNorm
+def layernorm(x, weight, bias, eps: float = 1e-5, version: int = 4, out=None):
+    """LayerNorm over the rows of x (N, C) float32 with layernorm_v<version> of layernorm.cu."""
+    x = _rows(x)
+    N, C = x.shape
+    weight = expect_array(weight, "weight", dtype=np.float32, shape=(C,))
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(C,))
+    if version not in LN_VERSIONS:
+        raise ValueError(f"version: expected one of {LN_VERSIONS}, got {version!r}")
+    y = _out(out, "out", x.shape)
+    if N == 0:
+        return y
+    args = (x, weight, bias, y, np.int32(N), np.int32(C), np.float32(eps))
+    mod = _mod("layernorm.cu")
+    if version == 1:
+        mod.get_function("layernorm_v1")(launch_grid(N, 128), (128,), args)
+        return y
+    name = f"layernorm_v{version}"
+    if version == 4 and not _vec(C, x, weight, bias, y):
+        name = "layernorm_v4s"           # C % 4 != 0 or an unaligned view: float loads, same algorithm
+    mod.get_function(name)(launch_grid(N, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK,), args)
+    return y
+
+
+def residual_layernorm(x, proj, proj_bias, weight, bias, eps: float = 1e-5, out_residual=None, out_ln=None):
+    """r = x + proj + proj_bias (proj_bias may be None), y = LayerNorm(r); one kernel. Returns (r, y).
+    x, proj (N, C) float32; out_residual may be x itself (the residual stream updated in place)."""
+    x = _rows(x)
+    N, C = x.shape
+    proj = expect_array(proj, "proj", dtype=np.float32, shape=(N, C))
+    if proj_bias is not None:
+        proj_bias = expect_array(proj_bias, "proj_bias", dtype=np.float32, shape=(C,))
+    weight = expect_array(weight, "weight", dtype=np.float32, shape=(C,))
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(C,))
+    r = _out(out_residual, "out_residual", (N, C))
+    y = _out(out_ln, "out_ln", (N, C))
+    if y.data.ptr in (x.data.ptr, proj.data.ptr, r.data.ptr):
+        raise ValueError("out_ln: must not share memory with x, proj or out_residual")
+    if N == 0:
+        return r, y
+    name = "residual_layernorm" if _vec(C, x, proj, proj_bias, weight, bias, r, y) else "residual_layernorm_s"
+    pb = proj_bias if proj_bias is not None else weight        # any valid pointer; has_bias = 0 ignores it
+    _mod("residual_layernorm.cu").get_function(name)(
+        launch_grid(N, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK,),
+        (x, proj, pb, np.int32(proj_bias is not None), weight, bias, r, y, np.int32(N), np.int32(C),
+         np.float32(eps)))
+    return r, y
+
+
+# ------------------------------------------------------------------------------------ glue (unfused)
+def bias_add_rows(x, bias, out=None):
+    """y[n, c] = x[n, c] + bias[c] for x (..., C)."""
+    x = expect_array(x, "x", dtype=np.float32)
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(x.shape[-1],))
+    y = _out(out, "out", x.shape)
+    if x.size:
+        _mod("sublayer_glue.cu").get_function("bias_add_rows")(
+            _grid_stride(x.size), (GLUE_BLOCK,), (x, bias, y, np.int64(x.size), np.int32(x.shape[-1])))
+    return y
+
+
+def add(a, b, out=None):
+    a = expect_array(a, "a", dtype=np.float32)
+    b = expect_array(b, "b", dtype=np.float32, shape=a.shape)
+    y = _out(out, "out", a.shape)
+    if a.size:
+        _mod("sublayer_glue.cu").get_function("add")(_grid_stride(a.size), (GLUE_BLOCK,), (a, b, y, np.int64(a.size)))
+    return y
+
+
+def split_heads(qkv, n_head: int, out=None):
+    """(B, T, 3C) -> (q, k, v) each (B, H, T, D). out: optional tuple of three buffers."""
+    qkv = expect_array(qkv, "qkv", dtype=np.float32, ndim=3)
+    B, T, C3 = qkv.shape
+    if C3 % (3 * n_head):
+        raise ValueError(f"qkv: last dimension {C3} is not 3 * n_head * head_dim with n_head={n_head}")
+    D = C3 // 3 // n_head
+    shape = (B, n_head, T, D)
+    q, k, v = (_out(o, f"out[{i}]", shape) for i, o in enumerate(out or (None, None, None)))
+    if qkv.size:
+        _mod("sublayer_glue.cu").get_function("split_heads")(
+            _grid_stride(qkv.size // 3), (GLUE_BLOCK,), (qkv, q, k, v, np.int32(B), np.int32(T), np.int32(n_head), np.int32(D)))
+    return q, k, v
+
+
+def merge_heads(o, out=None):
+    """(B, H, T, D) -> (B, T, H*D)."""
+    o = expect_array(o, "o", dtype=np.float32, ndim=4)
+    B, H, T, D = o.shape
+    y = _out(out, "out", (B, T, H * D))
+    if o.size:
+        _mod("sublayer_glue.cu").get_function("merge_heads")(
+            _grid_stride(o.size), (GLUE_BLOCK,), (o, y, np.int32(B), np.int32(T), np.int32(H), np.int32(D)))
+    return y
+
+
+# ------------------------------------------------------------------------------------ attention sublayer
+PARAM_SHAPES = {"ln1_w": ("C",), "ln1_b": ("C",), "w_qkv": ("C", "3C"), "b_qkv": ("3C",),
+                "w_proj": ("C", "C"), "b_proj": ("C",), "ln2_w": ("C",), "ln2_b": ("C",)}
+
+
+def sublayer_params(C: int, seed: int = 0) -> dict:
+    """Random GPT-2-shaped attention-sublayer weights (float32 CuPy arrays), never zeros or ones."""
+    import cupy as cp
+    from common import rand
+    dims = {"C": C, "3C": 3 * C}
+    p = {}
+    for i, (name, shape) in enumerate(PARAM_SHAPES.items()):
+        shp = tuple(dims[s] for s in shape)
+        if name.startswith("ln") and name.endswith("_w"):
+            p[name] = cp.asarray(rand(*shp, seed=seed + i, low=0.5, high=1.5))
+        elif name.startswith("w_"):
+            bound = 1.0 / math.sqrt(C)              # keeps activations O(1), like a trained model
+            p[name] = cp.asarray(rand(*shp, seed=seed + i, low=-bound, high=bound))
+        else:
+            p[name] = cp.asarray(rand(*shp, seed=seed + i, low=-0.1, high=0.1))
+    return p
+
+
+def _check_params(p: dict, C: int) -> dict:
+    dims = {"C": C, "3C": 3 * C}
+    missing = set(PARAM_SHAPES) - set(p)
+    if missing:
+        raise KeyError(f"params: missing {sorted(missing)} (expected keys {list(PARAM_SHAPES)})")
+    return {k: expect_array(p[k], f"params[{k!r}]", dtype=np.float32, shape=tuple(dims[s] for s in shp))
+            for k, shp in PARAM_SHAPES.items()}
+
+
+@dataclass
+class Stage:
+    name: str
+    fn: object            # callable with no arguments, working on the pipeline's buffers
+    bytes: float          # napkin-math DRAM bytes (each tensor read/written once per kernel)
+    launches: int         # kernels launched (cuBLAS counted as 1)
+
+
+class AttentionSublayer:
+    """The attention sublayer of a GPT-2 block on preallocated buffers, as a list of stages.
+
+        sub = AttentionSublayer(x, params, n_head, fused=True)
+        r, ln2 = sub()                    # run every stage
+        for s in sub.stages: bench(s.fn)  # or time them one by one
+
+    unfused: ln_1, QKV GEMM, bias add, split heads, naive attention (3 kernels, step 2), merge heads,
+             projection GEMM, bias add, residual add, ln_2.
+    fused:   ln_1, QKV GEMM, flash attention reading the QKV buffer (bias folded in, heads merged on the
+             store; step 2), projection GEMM, residual_layernorm (bias + residual + ln_2).
+    """
+
+    def __init__(self, x, params: dict, n_head: int, fused: bool, eps: float = 1e-5,
+                 out_residual=None, out_ln=None):
+        import cupy as cp
+        x = expect_array(x, "x", dtype=np.float32, ndim=3)
+        B, T, C = x.shape
+        if n_head <= 0 or C % n_head:
+            raise ValueError(f"n_head: expected a positive divisor of C={C}, got {n_head}")
+        p = _check_params(params, C)
+        N, D = B * T, C // n_head
+        self.x, self.p, self.n_head, self.fused, self.eps = x, p, n_head, fused, eps
+        self.r = _out(out_residual, "out_residual", (B, T, C))
+        self.y = _out(out_ln, "out_ln", (B, T, C))
+        e = cp.empty
+        self.h = e((N, C), cp.float32)
+        self.qkv = e((N, 3 * C), cp.float32)
+        self.attn = e((B, T, C), cp.float32)
+        self.proj = e((N, C), cp.float32)
+        f = 4.0
+        NC, C2 = N * C, C * C
+        xf = x.reshape(N, C)
+        st = [Stage("ln_1", lambda: layernorm(xf, p["ln1_w"], p["ln1_b"], eps, out=self.h), f * 2 * NC, 1),
+              Stage("QKV GEMM", lambda: cp.matmul(self.h, p["w_qkv"], out=self.qkv), f * (NC + 3 * C2 + 3 * NC), 1)]
+        if fused:
+            from step2_attention.flash import flash_attention_qkv
+            qkv3 = self.qkv.reshape(B, T, 3 * C)
+            st += [Stage("flash attention (QKV, bias)",
+                         lambda: flash_attention_qkv(qkv3, n_head, causal=True, bias=p["b_qkv"], out=self.attn),
+                         f * (3 * NC + NC), 1)]
+        else:
+            from step2_attention.ops import attention_naive
+            self.qkv_b = e((N, 3 * C), cp.float32)
+            self.q, self.k, self.v = (e((B, n_head, T, D), cp.float32) for _ in range(3))
+            self.o = e((B, n_head, T, D), cp.float32)
+            self.proj_b = e((N, C), cp.float32)
+            qkv3 = self.qkv_b.reshape(B, T, 3 * C)
+            S = B * n_head * T * T          # the score matrix the naive kernels write and read
+            st += [Stage("QKV bias add", lambda: bias_add_rows(self.qkv, p["b_qkv"], out=self.qkv_b), f * 6 * NC, 1),
+                   Stage("split heads", lambda: split_heads(qkv3, n_head, out=(self.q, self.k, self.v)), f * 6 * NC, 1),
+                   Stage("naive attention (3 kernels)",
+                         lambda: attention_naive(self.q, self.k, self.v, causal=True, out=self.o),
+                         f * ((2 * NC + S) + 2 * S + (S + 2 * NC)), 3),
+                   Stage("merge heads", lambda: merge_heads(self.o, out=self.attn), f * 2 * NC, 1)]
+        attn2 = self.attn.reshape(N, C)
+        st += [Stage("proj GEMM", lambda: cp.matmul(attn2, p["w_proj"], out=self.proj), f * (2 * NC + C2), 1)]
+        r2, y2 = self.r.reshape(N, C), self.y.reshape(N, C)
+        if fused:
+            st += [Stage("bias + residual + ln_2",
+                         lambda: residual_layernorm(xf, self.proj, p["b_proj"], p["ln2_w"], p["ln2_b"], eps,
+                                                    out_residual=r2, out_ln=y2), f * 4 * NC, 1)]
+        else:
+            st += [Stage("proj bias add", lambda: bias_add_rows(self.proj, p["b_proj"], out=self.proj_b), f * 2 * NC, 1),
+                   Stage("residual add", lambda: add(xf, self.proj_b, out=r2), f * 3 * NC, 1),
+                   Stage("ln_2", lambda: layernorm(r2, p["ln2_w"], p["ln2_b"], eps, out=y2), f * 2 * NC, 1)]
+        self.stages = st
+
+    def __call__(self):
+        for s in self.stages:
+            s.fn()
+        return self.r, self.y
+
+    @property
+    def launches(self) -> int:
+        return sum(s.launches for s in self.stages)
+
+    @property
+    def bytes(self) -> float:
+        return sum(s.bytes for s in self.stages)
+
+    def stage_times(self, **bench_kw) -> list:
+        """[(stage name, common.Timing)], each stage timed alone (inputs already computed by a full run)."""
+        from common.timing import bench
+        self()
+        return [(s.name, bench(s.fn, name=s.name, bytes=s.bytes, **bench_kw)) for s in self.stages]
+
+
+def attention_sublayer_unfused(x, params: dict, n_head: int, eps: float = 1e-5, out_residual=None, out_ln=None):
+    """x (B, T, C) -> (x + attn(ln_1(x)) @ W_proj + b_proj, ln_2 of that), with 12 kernel launches."""
+    return AttentionSublayer(x, params, n_head, fused=False, eps=eps, out_residual=out_residual, out_ln=out_ln)()
+
+
+def attention_sublayer_fused(x, params: dict, n_head: int, eps: float = 1e-5, out_residual=None, out_ln=None):
+    """Same result as attention_sublayer_unfused with 5 launches: flash attention reads the QKV GEMM's
+    output directly (bias folded in) and the projection's bias, the residual and ln_2 are one kernel."""
+    return AttentionSublayer(x, params, n_head, fused=True, eps=eps, out_residual=out_residual, out_ln=out_ln)()
+
+
+# ------------------------------------------------------------------------------------ decode sublayer tail
+DECODE_VERSIONS = ("separate", "separate-splitk", "two", "fused")
+_decode_workspaces: dict = {}
+
+
+def _decode_mod(D: int):
+    if D % 32 or not 32 <= D <= 256:
+        raise ValueError(f"q: head dimension must be a multiple of 32 between 32 and 256, got {D}")
+    return _mod("sublayer_decode.cu", defines={"HEAD_DIM": D})
+
+
+def decode_workspace(B: int, C: int):
+    """The zeroed (accum (B, C) float32, counter (B,) int32) pair the one- and two-kernel versions use.
+    The kernels leave it zeroed, so one per shape is reused (not safe for concurrent calls on two streams)."""
+    import cupy as cp
+    key = (cp.cuda.Device().id, B, C)
+    if key not in _decode_workspaces:
+        _decode_workspaces[key] = (cp.zeros((B, C), cp.float32), cp.zeros(B, cp.int32))
+    return _decode_workspaces[key]
+
+
+def _check_decode(q, k_cache, v_cache, lengths):
+    q = expect_array(q, "q", dtype=np.float32, ndim=3)
+    B, H, D = q.shape
+    k_cache = expect_array(k_cache, "k_cache", dtype=np.float32, ndim=4)
+    if k_cache.shape[:2] != (B, H) or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache: expected shape ({B}, {H}, *, {D}), got {k_cache.shape}")
+    v_cache = expect_array(v_cache, "v_cache", dtype=np.float32, shape=k_cache.shape)
+    lengths = expect_array(lengths, "lengths", dtype=np.int32, shape=(B,))
+    return q, k_cache, v_cache, lengths
+
+
+def decode_attention(q, k_cache, v_cache, lengths, out=None):
+    """One query per sequence against its first lengths[b] cache rows (clamped to [0, Lmax]; 0 gives zeros).
+    q (B, H, D), caches (B, H, Lmax, D), lengths int32 (B,) on the GPU. Returns (B, H*D), heads merged."""
+    q, k_cache, v_cache, lengths = _check_decode(q, k_cache, v_cache, lengths)
+    B, H, D = q.shape
+    y = _out(out, "out", (B, H * D))
+    if B:
+        _decode_mod(D).get_function("decode_attention")(
+            (H, B), (256,), (q, k_cache, v_cache, lengths, y, np.int32(H), np.int32(k_cache.shape[2]),
+                             np.float32(1.0 / math.sqrt(D))))
+    return y
+
+
+def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b, eps: float = 1e-5,
+                    version: str = "fused", out_residual=None, out_ln=None, workspace=None, attn_out=None,
+                    proj_out=None):
+    """Decode-step tail: r = x + decode_attention(...) @ w_proj + b_proj, y = LayerNorm(r). Returns (r, y).
+
+    version "separate": decode_attention, cupy.matmul, residual_layernorm (3 launches);
+            "separate-splitk": the same with step 2's split-K decode attention (4 launches; lengths >= 1);
+            "two":      decode_attention, then projection + bias + residual + LN in one kernel;
+            "fused":    all of it in one kernel (see sublayer_decode.cu).
+    x (B, C) may be out_residual (in place). b_proj may be None."""
+    import cupy as cp
+    q, k_cache, v_cache, lengths = _check_decode(q, k_cache, v_cache, lengths)
+    B, H, D = q.shape
+    C = H * D
+    x = expect_array(x, "x", dtype=np.float32, shape=(B, C))
+    w_proj = expect_array(w_proj, "w_proj", dtype=np.float32, shape=(C, C))
+    if b_proj is not None:
+        b_proj = expect_array(b_proj, "b_proj", dtype=np.float32, shape=(C,))
+    ln_w = expect_array(ln_w, "ln_w", dtype=np.float32, shape=(C,))
+    ln_b = expect_array(ln_b, "ln_b", dtype=np.float32, shape=(C,))
+    if version not in DECODE_VERSIONS:
+        raise ValueError(f"version: expected one of {DECODE_VERSIONS}, got {version!r}")
+    r = _out(out_residual, "out_residual", (B, C))
+    y = _out(out_ln, "out_ln", (B, C))
+    if B == 0:
+        return r, y
+    if version.startswith("separate"):
+        if version == "separate":
+            attn = decode_attention(q, k_cache, v_cache, lengths, out=attn_out)
+        else:       # step 2's flash-decoding: the cache split over many blocks, then a combine kernel
+            from step2_attention.flash import decode_attention as decode_attention_splitk
+            attn = _out(attn_out, "attn_out", (B, C))
+            decode_attention_splitk(q, k_cache, v_cache, lengths, out=attn.reshape(B, H, D))
+        proj = cp.matmul(attn, w_proj, out=_out(proj_out, "proj_out", (B, C)))
+        return residual_layernorm(x, proj, b_proj, ln_w, ln_b, eps, out_residual=r, out_ln=y)
+    accum, counter = workspace if workspace is not None else decode_workspace(B, C)
+    expect_array(accum, "workspace[0]", dtype=np.float32, shape=(B, C))
+    expect_array(counter, "workspace[1]", dtype=np.int32, shape=(B,))
+    mod = _decode_mod(D)
+    has_bias = np.int32(b_proj is not None)
+    pb = b_proj if b_proj is not None else ln_b
+    tail = (x, ln_w, ln_b, accum, counter, r, y)
+    if version == "two":
+        attn = decode_attention(q, k_cache, v_cache, lengths, out=attn_out)
+        mod.get_function("decode_proj_ln")((H, B), (256,), (attn, w_proj, pb, has_bias, *tail, np.int32(H),
+                                                              np.float32(eps)))
+    else:
+        mod.get_function("decode_sublayer_fused")(
+            (H, B), (256,), (q, k_cache, v_cache, lengths, w_proj, pb, has_bias, *tail, np.int32(H),
+                             np.int32(k_cache.shape[2]), np.float32(1.0 / math.sqrt(D)), np.float32(eps)))
+    return r, y
+
+
+# ------------------------------------------------------------------------------------ when fusion hurts
+def conv2d_bias_relu(x, w, bias, fused: bool = True, out=None, block: int = 256):
+    """relu(conv2d(x, w) + bias): NCHW, stride 1, "same" zero padding, w (Cout, Cin, K, K) with K = 3.
+    fused=False runs conv2d, bias_add_nchw and relu_inplace (3 launches) instead of one kernel."""
+    x = expect_array(x, "x", dtype=np.float32, ndim=4)
+    N, Cin, H, W = x.shape
+    w = expect_array(w, "w", dtype=np.float32, ndim=4)
+    if w.shape[1:] != (Cin, 3, 3):
+        raise ValueError(f"w: expected shape (Cout, {Cin}, 3, 3), got {w.shape}")
+    Cout = w.shape[0]
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(Cout,))
+    y = _out(out, "out", (N, Cout, H, W))
+    n = y.size
+    if n == 0:
+        return y
+    mod = _mod("when_fusion_hurts.cu")
+    grid = _grid_stride(n, block)
+    dims = (np.int32(N), np.int32(Cin), np.int32(H), np.int32(W), np.int32(Cout))
+    if fused:
+        mod.get_function("conv2d_bias_relu")(grid, (block,), (x, w, bias, y, *dims))
+    else:
+        mod.get_function("conv2d")(grid, (block,), (x, w, y, *dims))
+        mod.get_function("bias_add_nchw")(grid, (block,), (y, bias, np.int64(n), np.int32(Cout), np.int32(H * W)))
+        mod.get_function("relu_inplace")(grid, (block,), (y, np.int64(n)))
+    return y
+
+
+OVERFUSE_THREADS = 128
+
+
+def overfused_kernel(rows: int = 8, cols: int = 4):
+    """The ln_linear_overfused kernel compiled for a tile of rows x cols accumulators per thread."""
+    return _mod("when_fusion_hurts.cu", defines={"OVERFUSE_ROWS": rows, "OVERFUSE_COLS": cols}) \
+        .get_function("ln_linear_overfused")
+
+
+def ln_linear_overfused(x, ln_w, ln_b, w, bias, eps: float = 1e-5, rows: int = 8, cols: int = 4, out=None):
+    """LayerNorm(x) @ w + bias in one naive kernel (x (N, C), w (C, M)); see when_fusion_hurts.cu (b)."""
+    x = _rows(x)
+    N, C = x.shape
+    ln_w = expect_array(ln_w, "ln_w", dtype=np.float32, shape=(C,))
+    ln_b = expect_array(ln_b, "ln_b", dtype=np.float32, shape=(C,))
+    w = expect_array(w, "w", dtype=np.float32, ndim=2)
+    if w.shape[0] != C:
+        raise ValueError(f"w: expected shape ({C}, M), got {w.shape}")
+    M = w.shape[1]
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(M,))
+    y = _out(out, "out", (N, M))
+    smem = rows * C * 4
+    limit = device_info()["shared_per_block_optin"]
+    if smem > limit:
+        raise ValueError(f"rows: {rows} rows of C={C} floats need {smem} B of shared memory, this GPU allows {limit}")
+    if N == 0 or M == 0:
+        return y
+    k = overfused_kernel(rows, cols)
+    if smem > 48 * 1024:
+        k.max_dynamic_shared_size_bytes = smem
+    grid = (-(-N // rows), -(-M // (OVERFUSE_THREADS * cols)))
+    k(grid, (OVERFUSE_THREADS,), (x, ln_w, ln_b, w, bias, y, np.int32(N), np.int32(C), np.int32(M), np.float32(eps)),
+      shared_mem=smem)
+    return y
+
+
+def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
+    """Resident blocks and warps per SM for a kernel, from its registers and shared memory (the CUDA
+    occupancy calculator's arithmetic; registers are allocated per warp in units of 256)."""
+    d = device_info()
+    regs = kernel.num_regs
+    warps = -(-block // 32)
+    regs_per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (d["registers_per_sm"] // regs_per_warp) // warps if regs else 10 ** 9
+    by_threads = d["max_threads_per_sm"] // (warps * 32)
+    smem = kernel.shared_size_bytes + dynamic_smem
+    by_smem = d["shared_per_sm"] // (smem + 1024) if smem else 10 ** 9
+    blocks = min(by_regs, by_threads, by_smem, 32)
+    limiter = min((by_regs, "registers"), (by_threads, "threads"), (by_smem, "shared memory"))[1]
+    return {"registers": regs, "local_bytes": kernel.local_size_bytes, "blocks_per_sm": blocks,
+            "warps_per_sm": blocks * warps, "occupancy": blocks * warps * 32 / d["max_threads_per_sm"],
+            "limited_by": limiter}
