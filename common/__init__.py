@@ -4,15 +4,16 @@ Everything a notebook needs is importable from here:
 
     from common import load_module, bench, assert_close, poison, reference
 """
-from common.device import gpu_available, device_info, require_gpu, require_arch, skip_reason
-from common.kernels import load_module, compile_offline, kernel_source, KernelCompileError, ARCHS
+from common.device import gpu_available, device_info, require_gpu, require_arch, skip_reason, torch_cuda
+from common.kernels import (load_module, get_kernel, occupancy, compile_offline, kernel_source,
+                            KernelCompileError, ARCHS)
 from common.check import (assert_close, errors, poison, rand, expect_array, launch_grid)
 from common.timing import bench, Timing, copy_bandwidth
 from common import reference
 
 __all__ = [
-    "gpu_available", "device_info", "require_gpu", "require_arch", "skip_reason",
-    "load_module", "compile_offline", "kernel_source", "KernelCompileError", "ARCHS",
+    "gpu_available", "device_info", "require_gpu", "require_arch", "skip_reason", "torch_cuda",
+    "load_module", "get_kernel", "occupancy", "compile_offline", "kernel_source", "KernelCompileError", "ARCHS",
     "assert_close", "errors", "poison", "rand", "expect_array", "launch_grid",
     "bench", "Timing", "copy_bandwidth", "reference",
 ]

@@ -79,3 +79,18 @@ def describe() -> str:
     return (f"{d['name']} (sm_{d['sm']}, {d['multiprocessors']} SMs, L2 {d['l2_bytes'] / 2**20:.0f} MiB, "
             f"{d['memory_bytes'] / 2**30:.0f} GiB), CuPy {d['cupy_version']}, "
             f"driver {d['driver_version']}, runtime {d['runtime_version']}")
+
+
+@functools.lru_cache(maxsize=None)
+def torch_cuda():
+    """PyTorch with a usable CUDA device and TF32 switched off (fair fp32 comparisons), or None when torch
+    is not installed or has no CUDA. Benchmarks and notebooks use it for their torch anchors."""
+    try:
+        import torch
+    except Exception:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch

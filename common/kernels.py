@@ -138,6 +138,39 @@ def load_module(path: str | os.PathLike, defines: dict | None = None, options: t
     return _modules[key]
 
 
+_kernels: dict = {}
+
+
+def get_kernel(path: str | os.PathLike, name: str, defines: dict | None = None):
+    """One kernel of a `.cu` file, cached: `load_module(path, defines).get_function(name)` for code that
+    launches per token or inside timing loops (a lookup costs a dict access and a few stat() calls)."""
+    module = load_module(path, defines)
+    key = (id(module), name)
+    if key not in _kernels:
+        _kernels[key] = (module, module.get_function(name))   # keep module alive: id() stays unique
+    return _kernels[key][1]
+
+
+def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
+    """Resident blocks and warps per SM for a compiled kernel, from its registers and shared memory
+    (the CUDA occupancy calculator's arithmetic: registers are allocated per warp in units of 256, and
+    each block reserves 1 KB of shared memory for the system). Says which resource is the limit."""
+    from common.device import device_info
+    d = device_info()
+    regs = kernel.num_regs
+    warps = -(-block // 32)
+    regs_per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (d["registers_per_sm"] // regs_per_warp) // warps if regs else 10 ** 9
+    by_threads = d["max_threads_per_sm"] // (warps * 32)
+    smem = kernel.shared_size_bytes + dynamic_smem
+    by_smem = d["shared_per_sm"] // (smem + 1024) if smem else 10 ** 9
+    blocks = min(by_regs, by_threads, by_smem, 32)
+    limiter = min((by_regs, "registers"), (by_threads, "threads"), (by_smem, "shared memory"))[1]
+    return {"registers": regs, "local_bytes": kernel.local_size_bytes, "blocks_per_sm": blocks,
+            "warps_per_sm": blocks * warps, "occupancy": blocks * warps * 32 / d["max_threads_per_sm"],
+            "limited_by": limiter}
+
+
 @dataclass
 class KernelResources:
     name: str

@@ -174,3 +174,12 @@ def test_header_edit_takes_effect(tmp_path):
     (tmp_path / "value.cuh").write_text("#define VALUE 2.0f\n")
     load_module(src).get_function("k")((1,), (1,), (y,))
     assert float(y[0]) == 2.0
+
+
+def test_get_kernel_is_cached_and_occupancy_reports_a_limit():
+    from common import get_kernel, occupancy
+    k1 = get_kernel(ops.HERE / "reduce.cu", "sum_v1", {"BLOCK": 256})
+    assert get_kernel(ops.HERE / "reduce.cu", "sum_v1", {"BLOCK": 256}) is k1
+    occ = occupancy(k1, 256)
+    assert 1 <= occ["blocks_per_sm"] <= 32 and 0 < occ["occupancy"] <= 1
+    assert occ["limited_by"] in ("registers", "threads", "shared memory")
