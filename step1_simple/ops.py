@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, launch_grid, load_module, device_info
+from common import expect_array, launch_grid, get_kernel, device_info
 
 HERE = Path(__file__).resolve().parent
 VERSIONS = (1, 2, 3, 4)
@@ -49,7 +49,7 @@ def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, gr
         args.append(np.int32(_head(x.data.ptr, n)))
     if unroll not in (1, 2, 4, 8):
         raise ValueError(f"unroll: expected 1, 2, 4 or 8, got {unroll}")
-    kernel = load_module(HERE / "axpb.cu", defines={"UNROLL": unroll}).get_function(f"axpb_v{version}")
+    kernel = get_kernel(HERE / "axpb.cu", f"axpb_v{version}", {"UNROLL": unroll})
     if version == 1:
         blocks = launch_grid(n, block)
     else:
@@ -91,7 +91,7 @@ def zoo(op: str, *inputs, scalar: float | None = None, out=None, shape=None, blo
         return y
     args = (*inputs, np.float32(scalar), y) if op in ZOO_SCALAR else \
            ((np.float32(scalar), y) if op == "fill" else (*inputs, y))
-    kernel = load_module(HERE / "zoo.cu").get_function(f"zoo_{op}")
+    kernel = get_kernel(HERE / "zoo.cu", f"zoo_{op}")
     kernel((min(launch_grid(n, block)[0], _grid_stride_blocks(block)),), (block,), (*args, np.int64(n)))
     return y
 
@@ -103,7 +103,7 @@ def mul_add_gelu(x, w, b, out=None, block: int = 256):
     b = expect_array(b, "b", dtype=np.float32, shape=x.shape)
     y = _out(out, x)
     if x.size:
-        kernel = load_module(HERE / "fusion.cu").get_function("mul_add_gelu")
+        kernel = get_kernel(HERE / "fusion.cu", "mul_add_gelu")
         kernel((min(launch_grid(x.size, block)[0], _grid_stride_blocks(block)),), (block,),
                (x, w, b, y, np.int64(x.size)))
     return y
@@ -124,12 +124,12 @@ def total(x, version: int = 3, block: int = 256, grid: int | None = None, unroll
         return out
     if unroll not in (1, 2, 4, 8):
         raise ValueError(f"unroll: expected 1, 2, 4 or 8, got {unroll}")
-    mod = load_module(HERE / "reduce.cu", defines={"BLOCK": block, "UNROLL": unroll})
+    defines = {"BLOCK": block, "UNROLL": unroll}
     blocks = grid or min(_grid_stride_blocks(block), launch_grid(n, block)[0])
     if version == 3:
-        mod.get_function("sum_v3")((blocks,), (block,), (x, out, np.int64(n), np.int32(_head(x.data.ptr, n))))
+        get_kernel(HERE / "reduce.cu", "sum_v3", defines)((blocks,), (block,), (x, out, np.int64(n), np.int32(_head(x.data.ptr, n))))
         return out
-    kernel = mod.get_function(f"sum_v{version}")
+    kernel = get_kernel(HERE / "reduce.cu", f"sum_v{version}", defines)
     partial = cp.empty(blocks, dtype=cp.float32)
     kernel((blocks,), (block,), (x, partial, np.int64(n)))
     kernel((1,), (block,), (partial, out, np.int64(blocks)))
