@@ -1,0 +1,283 @@
+"""Step 4 benchmark rows: GPT-2 124M (random weights: same shapes, FLOPs and bytes as the real ones).
+
+- decode, batch 1, 256 new tokens: tokens/s vs transformers `generate` (eager, KV cache, greedy, same
+  weights, same GPU, same process, fp32 with TF32 off on both sides), and as a fraction of the
+  weight-bandwidth bound. The bound: a decode step must read every weight once, so
+      bound (tokens/s) = copy_bandwidth / bytes_read_per_token
+  where copy_bandwidth is common.copy_bandwidth() (bytes read + written per second by a device copy,
+  i.e. the DRAM traffic rate the GPU sustains) and bytes_read_per_token = GPT.weight_bytes_per_token()
+  (~498 MB: all matrices, biases and LayerNorm parameters, wte once as the LM head). fraction =
+  achieved tokens/s / bound. KV-cache reads (<4 MB at 256 tokens) are left out of the bound.
+- decode at batch 8 (same weights read once per step for 8 sequences).
+- prefill 8 x 1024 tokens (logits of the last position, as generate needs) vs transformers eager.
+- one decode step (batch 1, 128 cached tokens): time per op eagerly (CUDA events between ops: kernel +
+  launch gaps) vs each op alone inside a CUDA graph, and the whole step eager vs graph replay.
+- the GEMV versions on GPT-2 124M's five decode shapes (one launch, L2 flushed, batch 1 and 8) as a
+  fraction of copy bandwidth, and step 2's decode_attention v1 (one launch) vs v2 (split-K + combine)
+  at the cache sizes of the decode benchmark; `GPT.decode_attention_version` picks one.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from common.timing import bench, copy_bandwidth   # not `from common import bench`: common.benchmarks shadows it
+from common.benchmarks import Row
+
+NEW_TOKENS = 256
+PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]     # "Hello, I'm a language model,"
+
+
+def setup(seed: int = 0):
+    """(our model, HF model or None, directory): 124M-shaped random weights saved in the HF layout."""
+    from step4_gpt2 import weights as W
+    from step4_gpt2.model import GPT
+    cfg = W.GPTConfig()
+    params = W.random_weights(cfg, seed=seed, notice=False)
+    d = tempfile.mkdtemp(prefix="gpt2_bench_")
+    W.save(params, cfg, d)
+    model = GPT(cfg, params)
+    hf = None
+    try:
+        import torch
+        import transformers
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        hf = transformers.GPT2LMHeadModel.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+        hf = hf.eval().cuda()
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+    except Exception as e:   # no torch/transformers: our rows still come, without the anchor
+        print(f"transformers anchor unavailable: {type(e).__name__}: {e}")
+    return model, hf, d
+
+
+def _wall(fn, reps: int = 3) -> float:
+    import cupy as cp
+    times = []
+    for _ in range(reps):
+        cp.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        fn()
+        cp.cuda.runtime.deviceSynchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def hf_generate_s(hf, batch: int, n: int) -> float:
+    import torch
+    ids = torch.tensor([PROMPT] * batch, device="cuda")
+
+    def run():
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, use_cache=True)
+        assert out.shape[1] == len(PROMPT) + n
+    run()
+    return _wall(run)
+
+
+def ours_generate_s(model, batch: int, n: int, cuda_graph: bool = True) -> float:
+    from step4_gpt2.generate import generate
+
+    def run():
+        gen = generate(model, [PROMPT] * batch, n, stop_at_eos=False, cuda_graph=cuda_graph)
+        assert len(gen.tokens[0]) == n
+    run()
+    return _wall(run)
+
+
+def decode_rows(model, hf) -> list[Row]:
+    bw = copy_bandwidth()
+    bytes_tok = model.weight_bytes_per_token()
+    rows = []
+    for batch in (1, 8):
+        hf_s = hf_generate_s(hf, batch, NEW_TOKENS) if hf is not None else None
+        for graph in (True, False):
+            s = ours_generate_s(model, batch, NEW_TOKENS, graph)
+            tps = batch * NEW_TOKENS / s
+            row = Row(f"decode b={batch} ({'CUDA graph' if graph else 'eager launches'})", f"124M, {NEW_TOKENS} tok",
+                      s / NEW_TOKENS * 1e3, tps, "tok/s", "weight-bw bound",
+                      bytes_tok * (tps / batch) / (bw * 1e9))
+            if hf_s is not None:
+                row.anchor, row.ratio = "HF generate eager", hf_s / s
+            if batch == 1 and graph:
+                rows.append(Row(**{**row.__dict__, "name": "decode b=1 weight-bandwidth"}).check("fraction", 0.3))
+                if hf_s is not None:
+                    row.check("ratio", 10.0)
+            rows.append(row)
+        if hf_s is not None:
+            rows.append(Row(f"decode b={batch} HF generate (anchor)", f"124M, {NEW_TOKENS} tok",
+                            hf_s / NEW_TOKENS * 1e3, batch * NEW_TOKENS / hf_s, "tok/s"))
+    return rows
+
+
+def prefill_rows(model, hf, B: int = 8, T: int = 1024) -> list[Row]:
+    import cupy as cp
+    from step4_gpt2.model import KVCache
+    idx = np.random.default_rng(0).integers(0, model.config.vocab_size, (B, T)).astype(np.int32)
+    cache = KVCache(model.config, B, T)
+    last = np.full(B, T - 1)
+    flops = 2 * B * T * (model.config.n_layer * 12 * model.config.n_embd ** 2)
+    ours = bench(lambda: model.forward(idx, cache=cache, last=last), name=f"prefill {B}x{T} (ours)",
+                 flops=flops, warmup=2, repeat=10)
+    rows = []
+    if hf is not None:
+        import torch
+        ids = torch.tensor(idx, dtype=torch.int64, device="cuda")
+
+        def run_hf():
+            with torch.no_grad():
+                hf(ids, use_cache=True, logits_to_keep=1)
+        anchor = bench(run_hf, name="HF eager prefill", flops=flops, warmup=2, repeat=10)
+        rows.append(Row.of(ours, f"{B}x{T}", anchor=("HF eager", anchor), target=("ratio", 1.2)))
+        rows.append(Row.of(anchor, f"{B}x{T}"))
+        cp.cuda.runtime.deviceSynchronize()
+    else:
+        rows.append(Row.of(ours, f"{B}x{T}"))
+    return rows
+
+
+def step_breakdown(model, ctx: int = 128, B: int = 1):
+    """{op: (eager ms per step, in-graph ms per step)}, eager step ms, graph step ms."""
+    import cupy as cp
+    from step2_attention.flash import decode_attention
+    from step4_gpt2.model import DecodeState, embedding, gemv, gemv_qkv
+    cfg = model.config
+    s = DecodeState(cfg, B, ctx + 1)
+    for a in s.cache.k + s.cache.v:
+        a[...] = cp.random.default_rng(0).standard_normal(a.shape, dtype=cp.float32) * 0.1
+    s.pos[...] = ctx
+    s.lens[...] = ctx + 1
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        model.decode_step(s)
+        # eager: CUDA events between ops, summed over the layers, median over runs
+        per = {}
+        for _ in range(7):
+            marks = []
+
+            def mark(name):
+                e = cp.cuda.Event()
+                e.record()
+                marks.append((name, e))
+            mark("start")
+            model.decode_step(s, mark=mark)
+            marks[-1][1].synchronize()
+            acc = {}
+            for (_, e0), (name, e1) in zip(marks, marks[1:]):
+                acc[name] = acc.get(name, 0.0) + cp.cuda.get_elapsed_time(e0, e1)
+            for k, v in acc.items():
+                per.setdefault(k, []).append(v)
+        eager = {k: statistics.median(v) for k, v in per.items()}
+        # in a graph: each op of layer 0 alone, captured 20 times back to back
+        blk, H, D, eps = model.h[0], cfg.n_head, cfg.head_dim, cfg.eps
+        av = model.decode_attention_version
+        ops = {
+            "embedding": (1, lambda: embedding(s.tokens, s.pos, model.wte, model.wpe, s.x)),
+            "ln_1 + qkv GEMV + KV append": (cfg.n_layer, lambda: gemv_qkv(
+                s.x, blk.c_attn, blk.c_attn_b, s.q, s.cache.k[0], s.cache.v[0], s.pos, ln=blk.ln_1, eps=eps)),
+            "decode attention": (cfg.n_layer, lambda: decode_attention(
+                s.q.reshape(B, H, D), s.cache.k[0], s.cache.v[0], s.lens, out=s.att.reshape(B, H, D), version=av)),
+            "attn proj GEMV + residual": (cfg.n_layer, lambda: gemv(s.att, blk.c_proj, blk.c_proj_b, out=s.x,
+                                                                    residual=True)),
+            "ln_2 + fc GEMV + GELU": (cfg.n_layer, lambda: gemv(s.x, blk.c_fc, blk.c_fc_b, out=s.h, gelu=True,
+                                                                ln=blk.ln_2, eps=eps)),
+            "mlp proj GEMV + residual": (cfg.n_layer, lambda: gemv(s.h, blk.mlp_proj, blk.mlp_proj_b, out=s.x,
+                                                                   residual=True)),
+            "ln_f + LM head GEMV": (1, lambda: gemv(s.x, model.wte, out=s.logits, ln=model.ln_f, eps=eps)),
+        }
+        graphed = {}
+        for name, (count, fn) in ops.items():
+            fn()
+            stream.begin_capture()
+            try:
+                for _ in range(20):
+                    fn()
+            finally:
+                g = stream.end_capture()
+            t = bench(lambda: g.launch(stream), name=name, warmup=2, repeat=20)
+            graphed[name] = count * t.median_ms / 20
+        t_eager = bench(lambda: model.decode_step(s), name="decode step, eager", warmup=2, repeat=30)
+        stream.begin_capture()
+        try:
+            model.decode_step(s)
+        finally:
+            graph = stream.end_capture()
+        t_graph = bench(lambda: graph.launch(stream), name="decode step, CUDA graph", warmup=2, repeat=30)
+    table = {k: (eager.get(k, float("nan")), graphed.get(k, float("nan"))) for k in eager}
+    return table, t_eager, t_graph
+
+
+def breakdown_rows(model) -> list[Row]:
+    table, t_eager, t_graph = step_breakdown(model)
+    rows = [Row.of(t_eager, "b=1, 128 cached"), Row.of(t_graph, "b=1, 128 cached", anchor=("eager step", t_eager))]
+    rows.append(Row("launch overhead removed by the graph", "per step", t_eager.median_ms - t_graph.median_ms))
+    for name, (e, g) in table.items():
+        rows.append(Row(f"  {name}: eager", "per step", e))
+        rows.append(Row(f"  {name}: in graph", "per step", g))
+    return rows
+
+
+GEMV_SHAPES = {"c_attn": (2304, 768), "attn c_proj": (768, 768), "c_fc": (3072, 768),
+               "mlp c_proj": (768, 3072), "LM head": (50257, 768)}
+
+
+def gemv_rows() -> list[Row]:
+    """Each GEMV version alone on the decode shapes (N outputs, K inputs): one launch, L2 flushed."""
+    import cupy as cp
+    from common import rand
+    from step4_gpt2.model import gemv
+    bw = copy_bandwidth()
+    variants = [("v3", dict(version=3)), ("v4", dict(version=4))]
+    variants += [(f"v5 ROWS={r} UNROLL={u}", dict(version=5, rows=r, unroll=u)) for r, u in [(1, 4), (2, 4), (4, 4), (2, 2)]]
+    rows = []
+    for label, (N, K) in GEMV_SHAPES.items():
+        W = cp.asarray(rand(N, K, seed=1))
+        for B in (1, 8):
+            x, y = cp.asarray(rand(B, K, seed=2)), cp.empty((B, N), cp.float32)
+            for name, kw in variants if B == 1 else [variants[1], variants[4]]:
+                t = bench(lambda: gemv(x, W, out=y, **kw), name=f"GEMV {label} b={B} {name}",
+                          bytes=W.nbytes + x.nbytes + y.nbytes, warmup=3, repeat=30)
+                rows.append(Row.of(t, f"{N}x{K}", ceiling=("copy bw", bw)))
+        del W
+    return rows
+
+
+def attention_rows(model) -> list[Row]:
+    """step 2's decode_attention v1 vs v2 on one layer's cache at the decode benchmark's sizes."""
+    import cupy as cp
+    from common import rand
+    from step2_attention.flash import decode_attention
+    cfg = model.config
+    H, D = cfg.n_head, cfg.head_dim
+    rows = []
+    for B in (1, 8):
+        Lmax = len(PROMPT) + NEW_TOKENS - 1
+        q = cp.asarray(rand(B, H, D, seed=3))
+        k, v = cp.asarray(rand(B, H, Lmax, D, seed=4)), cp.asarray(rand(B, H, Lmax, D, seed=5))
+        out = cp.empty_like(q)
+        for n in (len(PROMPT) + 1, 128, Lmax):
+            lens = cp.full(B, n, cp.int32)
+            for ver in (1, 2):
+                t = bench(lambda: decode_attention(q, k, v, lens, out=out, version=ver),
+                          name=f"decode attention v{ver} b={B} L={n}", bytes=2 * B * H * n * D * 4, warmup=3, repeat=30)
+                rows.append(Row.of(t, f"cache {Lmax}"))
+    return rows
+
+
+def run() -> list[Row]:
+    model, hf, _ = setup()
+    rows = gemv_rows() + attention_rows(model)
+    rows += decode_rows(model, hf)
+    rows += prefill_rows(model, hf)
+    rows += breakdown_rows(model)
+    return rows
+
+
+if __name__ == "__main__":
+    from common.benchmarks import table
+    print(table(run()))

