@@ -30,6 +30,7 @@ class Row:
     ratio: float | None = None
     target: str = ""                 # the target, e.g. "fraction >= 0.92"
     met: bool | None = None
+    step: str = ""                   # filled in by the runner: which step folder the row comes from
 
     @classmethod
     def of(cls, t, size: str, ceiling: tuple | None = None, anchor: tuple | None = None,
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
             traceback.print_exc()
             failed.append(f"{name}: {type(e).__name__}: {e}")
             continue
+        for r in new:
+            r.step = name.split(".")[0]
         print(table(new), flush=True)
         rows += new
     print("\n" + table(rows))
