@@ -113,19 +113,20 @@ def load_module(path: str | os.PathLike, defines: dict | None = None, options: t
     process (re-checked against the files' modification times, so edits take effect); CuPy also caches
     the binary on disk, keyed by the text (header fingerprint included).
     """
-    fast_key = (str(path), Path.cwd(), tuple(sorted((defines or {}).items())), tuple(options))
+    import cupy as cp
+    from common.device import require_gpu
+
+    require_gpu()                           # cached: a clear error without a GPU, cheap with one
+    device = cp.cuda.runtime.getDevice()    # a loaded module belongs to one GPU
+    fast_key = (str(path), Path.cwd(), tuple(sorted((defines or {}).items())), tuple(options), device)
     hit = _recent.get(fast_key)
     if hit is not None and all(os.stat(f).st_mtime_ns == m for f, m in hit[0]):
         return hit[1]       # wrappers call this on every launch: keep it to a few stat() calls
 
-    import cupy as cp
-    from common.device import require_gpu
-
-    require_gpu()
     path = resolve(path)
     code = _source(path)
     opts = (*BASE_OPTIONS, *(f"-I{d}" for d in _include_dirs(path)), *_define_options(defines), *options)
-    key = (code, opts)
+    key = (code, opts, device)
     if key not in _modules:
         module = cp.RawModule(code=code, options=opts)
         try:

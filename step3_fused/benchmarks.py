@@ -6,26 +6,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from common import copy_bandwidth, rand
+from common import bench, copy_bandwidth, device_info, rand, torch_cuda
 from common.benchmarks import Row
-from common.timing import bench     # not `from common import bench`: once common.benchmarks (the module) is imported, it shadows that name
 
 N_LN, C_LN = 8192, 768
 B_SUB, T_SUB, C_SUB, H_SUB = 8, 1024, 768, 12
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return torch
 
 
 def unavailable(name: str, size: str, reason: str) -> Row:
@@ -80,7 +65,7 @@ def residual_rows() -> list[Row]:
                  name="residual add + LayerNorm (2 kernels)", bytes=4.0 * 5 * N * C)
     rows.append(Row.of(t_un, size, ceiling=("copy bw", copy_bandwidth())))
     rows.append(Row.of(t, size, anchor=("add + LayerNorm kernels", t_un)))
-    torch = _torch()
+    torch = torch_cuda()
     if torch is None:
         rows.append(unavailable("fused residual+LN vs torch", size, "torch with CUDA not installed"))
         return rows
@@ -115,7 +100,7 @@ def layernorm_rows() -> list[Row]:
     rows, ts = [], {}
     for v in ops.LN_VERSIONS:
         ts[v] = bench(lambda: ops.layernorm(x, w, b, version=v, out=y), name=f"layernorm v{v}", bytes=8.0 * N * C)
-    torch = _torch()
+    torch = torch_cuda()
     anchor = None
     if torch is not None:
         xt, wt, bt = (torch.from_dlpack(a) for a in (x, w, b))
@@ -151,7 +136,7 @@ def sublayer_rows() -> list[Row]:
         row = Row.of(t["fused"], size, anchor=("unfused pipeline", t["unfused"]), target=("ratio", 1.25))
         row.name = "fused sublayer vs unfused"
         rows.append(row)
-    torch = _torch()
+    torch = torch_cuda()
     if torch is None:
         rows.append(unavailable("fused sublayer vs torch eager", size, "torch with CUDA not installed"))
     elif "fused" in t:
@@ -186,7 +171,9 @@ def decode_bytes(B: int, L: int, H: int = 12, D: int = 64) -> float:
 
 def time_decode(version: str, case: dict, graph: bool = False, **kw):
     """Timing of ops.decode_sublayer(version) on preallocated buffers; graph=True replays a CUDA graph
-    of one call (no Python or launch overhead between kernels)."""
+    of one call (no Python or launch overhead between kernels). `median_ms` is the GPU's time (CUDA
+    events; bench queues the call behind 100 us of GPU work, so host launch overhead is hidden);
+    `wall_median_ms` is the host clock around one call + synchronize from an idle GPU, overhead included."""
     import cupy as cp
     from step3_fused import ops
     B, C = case["x"].shape
@@ -206,7 +193,14 @@ def time_decode(version: str, case: dict, graph: bool = False, **kw):
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        call()
+        try:
+            call()
+        except BaseException:   # e.g. cuBLAS refuses capture: close it, or the stream stays unusable
+            try:
+                stream.end_capture()
+            except Exception:
+                pass            # the capture may be invalidated; the original error is the one to report
+            raise
         g = stream.end_capture()
     stream.synchronize()
 
@@ -232,6 +226,12 @@ def decode_rows() -> list[Row]:
                     continue
                 anchor = ("separate", ts["separate"]) if v != "separate" and "separate" in ts else None
                 rows.append(Row.of(ts[v], size, ceiling=("copy bw", copy_bandwidth()), anchor=anchor))
+            if not graph:       # what a Python loop waiting on each call sees: launches + host work included
+                for v, t in ts.items():
+                    row = Row(f"decode {v} host wall (idle GPU)", size, t.wall_median_ms)
+                    if v != "separate" and "separate" in ts:
+                        row.anchor, row.ratio = "separate host wall", ts["separate"].wall_median_ms / t.wall_median_ms
+                    rows.append(row)
     return rows
 
 
@@ -247,7 +247,7 @@ def conv_rows() -> list[Row]:
     t_un = bench(lambda: ops.conv2d_bias_relu(x, w, b, fused=False, out=y), name="conv2d, bias, relu (3 kernels)", flops=flops)
     t_f = bench(lambda: ops.conv2d_bias_relu(x, w, b, fused=True, out=y), name="conv2d+bias+relu fused", flops=flops)
     rows = [Row.of(t_un, size), Row.of(t_f, size, anchor=("3 kernels", t_un))]
-    torch = _torch()
+    torch = torch_cuda()
     if torch is not None:
         xt, wt, bt = (torch.from_dlpack(a) for a in (x, w, b))
         t_t = bench(lambda: torch.relu(torch.nn.functional.conv2d(xt, wt, bt, padding=1)),
@@ -260,6 +260,14 @@ def conv_rows() -> list[Row]:
 
 
 OVERFUSE_TILES = ((4, 1), (8, 4), (16, 8), (32, 8))
+
+
+def overfuse_tiles(C: int) -> tuple[list, list]:
+    """(tiles this GPU can launch at row length C, tiles whose shared memory exceeds its opt-in limit)."""
+    from step3_fused import ops
+    limit = device_info()["shared_per_block_optin"]
+    ok = [t for t in OVERFUSE_TILES if ops.overfused_smem(t[0], C) <= limit]
+    return ok, [t for t in OVERFUSE_TILES if t not in ok]
 
 
 def overfuse_rows() -> list[Row]:
@@ -279,7 +287,12 @@ def overfuse_rows() -> list[Row]:
         ops.bias_add_rows(y, b, out=y)
     t_sep = bench(separate, name="LayerNorm + cuBLAS GEMM + bias (3 kernels)", flops=flops)
     rows = [Row.of(t_sep, size)]
-    for rr, cc in OVERFUSE_TILES:
+    tiles, skipped = overfuse_tiles(C)
+    for rr, cc in skipped:
+        rows.append(unavailable(f"over-fused LN+GEMM {rr}x{cc}", size,
+                                f"needs {ops.overfused_smem(rr, C)} B shared memory, this GPU allows "
+                                f"{device_info()['shared_per_block_optin']}"))
+    for rr, cc in tiles:
         k = ops.overfused_kernel(rr, cc)
         t = bench(lambda: ops.ln_linear_overfused(x, lw, lb, w, b, rows=rr, cols=cc, out=y), repeat=10,
                   name=f"over-fused LN+GEMM {rr}x{cc} ({k.num_regs} regs, {k.local_size_bytes} B local)", flops=flops)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from common import bench, copy_bandwidth, torch_cuda
 from common.benchmarks import Row
-from common.timing import bench, copy_bandwidth
 
 V, E, H, K, B = 8192, 256, 1024, 3, 512
 SIZE = f"V{V} E{E} H{H} B{B}"
@@ -31,11 +31,8 @@ def _tok_row(name, t, tokens, anchor=None):
 
 def _torch_step(init, ctx, tgt):
     """The same network and AdamW step in PyTorch eager (fp32, default foreach AdamW), or None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
+    torch = torch_cuda()
+    if torch is None:
         return None
     dev = "cuda"
     tp = {k: torch.tensor(v, device=dev, requires_grad=True) for k, v in init.items()}

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, launch_grid, load_module, device_info
+from common import expect_array, launch_grid, get_kernel, device_info
+from common import occupancy  # noqa: F401  (ops.occupancy: re-exported for the notebooks)
 
 HERE = Path(__file__).resolve().parent
 LN_VERSIONS = (1, 2, 3, 4)
@@ -19,28 +20,10 @@ ROWS_PER_BLOCK = 8            # BLOCK = 256 threads = 8 warps, one row per warp 
 GLUE_BLOCK = 256
 
 
-class _Module:
-    """load_module once per (file, defines), then hand out cached kernels: load_module re-reads and hashes
-    the source on every call (so edits take effect), which costs tens of microseconds - as much as a small
-    kernel runs. The decode and LayerNorm wrappers are called per token, so they look kernels up here."""
-    _cache: dict = {}
-
-    def __init__(self, name, defines):
-        self.module = load_module(HERE / name, defines=defines)
-        self.functions = {}
-
-    def get_function(self, kernel):
-        if kernel not in self.functions:
-            self.functions[kernel] = self.module.get_function(kernel)
-        return self.functions[kernel]
-
-
-def _mod(name: str, defines: dict | None = None):
-    import cupy as cp
-    key = (name, tuple(sorted((defines or {}).items())), cp.cuda.Device().id)
-    if key not in _Module._cache:
-        _Module._cache[key] = _Module(name, defines)
-    return _Module._cache[key]
+def _kernel(name: str, kernel: str, defines: dict | None = None):
+    """A cached kernel of one of this folder's .cu files: the decode and LayerNorm wrappers run per token,
+    where a full load_module (re-read and hash the source) would cost as much as a small kernel runs."""
+    return get_kernel(HERE / name, kernel, defines)
 
 
 def _aligned(*arrays) -> bool:
@@ -83,14 +66,13 @@ def layernorm(x, weight, bias, eps: float = 1e-5, version: int = 4, out=None):
     if N == 0:
         return y
     args = (x, weight, bias, y, np.int32(N), np.int32(C), np.float32(eps))
-    mod = _mod("layernorm.cu")
     if version == 1:
-        mod.get_function("layernorm_v1")(launch_grid(N, 128), (128,), args)
+        _kernel("layernorm.cu", "layernorm_v1")(launch_grid(N, 128), (128,), args)
         return y
     name = f"layernorm_v{version}"
     if version == 4 and not _vec(C, x, weight, bias, y):
         name = "layernorm_v4s"           # C % 4 != 0 or an unaligned view: float loads, same algorithm
-    mod.get_function(name)(launch_grid(N, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK,), args)
+    _kernel("layernorm.cu", name)(launch_grid(N, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK,), args)
     return y
 
 
@@ -112,7 +94,7 @@ def residual_layernorm(x, proj, proj_bias, weight, bias, eps: float = 1e-5, out_
         return r, y
     name = "residual_layernorm" if _vec(C, x, proj, proj_bias, weight, bias, r, y) else "residual_layernorm_s"
     pb = proj_bias if proj_bias is not None else weight        # any valid pointer; has_bias = 0 ignores it
-    _mod("residual_layernorm.cu").get_function(name)(
+    _kernel("residual_layernorm.cu", name)(
         launch_grid(N, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK,),
         (x, proj, pb, np.int32(proj_bias is not None), weight, bias, r, y, np.int32(N), np.int32(C),
          np.float32(eps)))
@@ -121,22 +103,23 @@ def residual_layernorm(x, proj, proj_bias, weight, bias, eps: float = 1e-5, out_
 
 # ------------------------------------------------------------------------------------ glue (unfused)
 def bias_add_rows(x, bias, out=None):
-    """y[n, c] = x[n, c] + bias[c] for x (..., C)."""
+    """y[n, c] = x[n, c] + bias[c] for x (..., C). out may be x itself (in place)."""
     x = expect_array(x, "x", dtype=np.float32)
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(x.shape[-1],))
     y = _out(out, "out", x.shape)
     if x.size:
-        _mod("sublayer_glue.cu").get_function("bias_add_rows")(
+        _kernel("sublayer_glue.cu", "bias_add_rows")(
             _grid_stride(x.size), (GLUE_BLOCK,), (x, bias, y, np.int64(x.size), np.int32(x.shape[-1])))
     return y
 
 
 def add(a, b, out=None):
+    """y = a + b elementwise; out may be a or b (in place)."""
     a = expect_array(a, "a", dtype=np.float32)
     b = expect_array(b, "b", dtype=np.float32, shape=a.shape)
     y = _out(out, "out", a.shape)
     if a.size:
-        _mod("sublayer_glue.cu").get_function("add")(_grid_stride(a.size), (GLUE_BLOCK,), (a, b, y, np.int64(a.size)))
+        _kernel("sublayer_glue.cu", "add")(_grid_stride(a.size), (GLUE_BLOCK,), (a, b, y, np.int64(a.size)))
     return y
 
 
@@ -144,13 +127,14 @@ def split_heads(qkv, n_head: int, out=None):
     """(B, T, 3C) -> (q, k, v) each (B, H, T, D). out: optional tuple of three buffers."""
     qkv = expect_array(qkv, "qkv", dtype=np.float32, ndim=3)
     B, T, C3 = qkv.shape
+    n_head = _positive_int(n_head, "n_head")
     if C3 % (3 * n_head):
         raise ValueError(f"qkv: last dimension {C3} is not 3 * n_head * head_dim with n_head={n_head}")
     D = C3 // 3 // n_head
     shape = (B, n_head, T, D)
     q, k, v = (_out(o, f"out[{i}]", shape) for i, o in enumerate(out or (None, None, None)))
     if qkv.size:
-        _mod("sublayer_glue.cu").get_function("split_heads")(
+        _kernel("sublayer_glue.cu", "split_heads")(
             _grid_stride(qkv.size // 3), (GLUE_BLOCK,), (qkv, q, k, v, np.int32(B), np.int32(T), np.int32(n_head), np.int32(D)))
     return q, k, v
 
@@ -161,7 +145,7 @@ def merge_heads(o, out=None):
     B, H, T, D = o.shape
     y = _out(out, "out", (B, T, H * D))
     if o.size:
-        _mod("sublayer_glue.cu").get_function("merge_heads")(
+        _kernel("sublayer_glue.cu", "merge_heads")(
             _grid_stride(o.size), (GLUE_BLOCK,), (o, y, np.int32(B), np.int32(T), np.int32(H), np.int32(D)))
     return y
 
@@ -289,7 +273,7 @@ class AttentionSublayer:
 
     def stage_times(self, **bench_kw) -> list:
         """[(stage name, common.Timing)], each stage timed alone (inputs already computed by a full run)."""
-        from common.timing import bench
+        from common import bench
         self()
         return [(s.name, bench(s.fn, name=s.name, bytes=s.bytes, **bench_kw)) for s in self.stages]
 
@@ -310,10 +294,10 @@ DECODE_VERSIONS = ("separate", "separate-splitk", "two", "fused")
 _decode_workspaces: dict = {}
 
 
-def _decode_mod(D: int):
+def _decode_kernel(D: int, name: str):
     if D % 32 or not 32 <= D <= 256:
         raise ValueError(f"q: head dimension must be a multiple of 32 between 32 and 256, got {D}")
-    return _mod("sublayer_decode.cu", defines={"HEAD_DIM": D})
+    return _kernel("sublayer_decode.cu", name, defines={"HEAD_DIM": D})
 
 
 def decode_workspace(B: int, C: int):
@@ -344,7 +328,7 @@ def decode_attention(q, k_cache, v_cache, lengths, out=None):
     B, H, D = q.shape
     y = _out(out, "out", (B, H * D))
     if B:
-        _decode_mod(D).get_function("decode_attention")(
+        _decode_kernel(D, "decode_attention")(
             (H, B), (256,), (q, k_cache, v_cache, lengths, y, np.int32(H), np.int32(k_cache.shape[2]),
                              np.float32(1.0 / math.sqrt(D))))
     return y
@@ -388,16 +372,15 @@ def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b,
     accum, counter = workspace if workspace is not None else decode_workspace(B, C)
     expect_array(accum, "workspace[0]", dtype=np.float32, shape=(B, C))
     expect_array(counter, "workspace[1]", dtype=np.int32, shape=(B,))
-    mod = _decode_mod(D)
     has_bias = np.int32(b_proj is not None)
     pb = b_proj if b_proj is not None else ln_b
     tail = (x, ln_w, ln_b, accum, counter, r, y)
     if version == "two":
         attn = decode_attention(q, k_cache, v_cache, lengths, out=attn_out)
-        mod.get_function("decode_proj_ln")((H, B), (256,), (attn, w_proj, pb, has_bias, *tail, np.int32(H),
-                                                              np.float32(eps)))
+        _decode_kernel(D, "decode_proj_ln")((H, B), (256,), (attn, w_proj, pb, has_bias, *tail, np.int32(H),
+                                                               np.float32(eps)))
     else:
-        mod.get_function("decode_sublayer_fused")(
+        _decode_kernel(D, "decode_sublayer_fused")(
             (H, B), (256,), (q, k_cache, v_cache, lengths, w_proj, pb, has_bias, *tail, np.int32(H),
                              np.int32(k_cache.shape[2]), np.float32(1.0 / math.sqrt(D)), np.float32(eps)))
     return r, y
@@ -418,25 +401,38 @@ def conv2d_bias_relu(x, w, bias, fused: bool = True, out=None, block: int = 256)
     n = y.size
     if n == 0:
         return y
-    mod = _mod("when_fusion_hurts.cu")
+    def kernel(name):
+        return _kernel("when_fusion_hurts.cu", name)
     grid = _grid_stride(n, block)
     dims = (np.int32(N), np.int32(Cin), np.int32(H), np.int32(W), np.int32(Cout))
     if fused:
-        mod.get_function("conv2d_bias_relu")(grid, (block,), (x, w, bias, y, *dims))
+        kernel("conv2d_bias_relu")(grid, (block,), (x, w, bias, y, *dims))
     else:
-        mod.get_function("conv2d")(grid, (block,), (x, w, y, *dims))
-        mod.get_function("bias_add_nchw")(grid, (block,), (y, bias, np.int64(n), np.int32(Cout), np.int32(H * W)))
-        mod.get_function("relu_inplace")(grid, (block,), (y, np.int64(n)))
+        kernel("conv2d")(grid, (block,), (x, w, y, *dims))
+        kernel("bias_add_nchw")(grid, (block,), (y, bias, np.int64(n), np.int32(Cout), np.int32(H * W)))
+        kernel("relu_inplace")(grid, (block,), (y, np.int64(n)))
     return y
 
 
 OVERFUSE_THREADS = 128
 
 
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def overfused_smem(rows: int, C: int) -> int:
+    """Dynamic shared memory of ln_linear_overfused: the tile's rows of normalised x, fp32."""
+    return _positive_int(rows, "rows") * C * 4
+
+
 def overfused_kernel(rows: int = 8, cols: int = 4):
     """The ln_linear_overfused kernel compiled for a tile of rows x cols accumulators per thread."""
-    return _mod("when_fusion_hurts.cu", defines={"OVERFUSE_ROWS": rows, "OVERFUSE_COLS": cols}) \
-        .get_function("ln_linear_overfused")
+    rows, cols = _positive_int(rows, "rows"), _positive_int(cols, "cols")
+    return _kernel("when_fusion_hurts.cu", "ln_linear_overfused",
+                   defines={"OVERFUSE_ROWS": rows, "OVERFUSE_COLS": cols})
 
 
 def ln_linear_overfused(x, ln_w, ln_b, w, bias, eps: float = 1e-5, rows: int = 8, cols: int = 4, out=None):
@@ -451,7 +447,8 @@ def ln_linear_overfused(x, ln_w, ln_b, w, bias, eps: float = 1e-5, rows: int = 8
     M = w.shape[1]
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(M,))
     y = _out(out, "out", (N, M))
-    smem = rows * C * 4
+    rows, cols = _positive_int(rows, "rows"), _positive_int(cols, "cols")
+    smem = overfused_smem(rows, C)
     limit = device_info()["shared_per_block_optin"]
     if smem > limit:
         raise ValueError(f"rows: {rows} rows of C={C} floats need {smem} B of shared memory, this GPU allows {limit}")
@@ -464,21 +461,3 @@ def ln_linear_overfused(x, ln_w, ln_b, w, bias, eps: float = 1e-5, rows: int = 8
     k(grid, (OVERFUSE_THREADS,), (x, ln_w, ln_b, w, bias, y, np.int32(N), np.int32(C), np.int32(M), np.float32(eps)),
       shared_mem=smem)
     return y
-
-
-def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
-    """Resident blocks and warps per SM for a kernel, from its registers and shared memory (the CUDA
-    occupancy calculator's arithmetic; registers are allocated per warp in units of 256)."""
-    d = device_info()
-    regs = kernel.num_regs
-    warps = -(-block // 32)
-    regs_per_warp = -(-regs * 32 // 256) * 256
-    by_regs = (d["registers_per_sm"] // regs_per_warp) // warps if regs else 10 ** 9
-    by_threads = d["max_threads_per_sm"] // (warps * 32)
-    smem = kernel.shared_size_bytes + dynamic_smem
-    by_smem = d["shared_per_sm"] // (smem + 1024) if smem else 10 ** 9
-    blocks = min(by_regs, by_threads, by_smem, 32)
-    limiter = min((by_regs, "registers"), (by_threads, "threads"), (by_smem, "shared memory"))[1]
-    return {"registers": regs, "local_bytes": kernel.local_size_bytes, "blocks_per_sm": blocks,
-            "warps_per_sm": blocks * warps, "occupancy": blocks * warps * 32 / d["max_threads_per_sm"],
-            "limited_by": limiter}

@@ -11,18 +11,22 @@
 // The fused pipeline (ops.attention_sublayer_fused) does all of them inside other kernels: the bias and
 // the permute in flash attention's loads and stores, the bias and the residual in residual_layernorm.
 // All are grid-stride loops over elements, one thread per element per iteration.
+//
+// bias_add_rows and add may run in place (y == x, or y == a / y == b): each thread reads element i and
+// then writes element i, so aliasing is harmless - as long as the compiler is not told otherwise. Their
+// x/y (a/b/y) pointers are therefore NOT __restrict__: promising no aliasing and then passing the same
+// buffer twice is undefined behaviour, even when it happens to work.
 #ifndef BLOCK
 #define BLOCK 256
 #endif
 
-extern "C" __global__ void bias_add_rows(const float* __restrict__ x, const float* __restrict__ bias,
-                                         float* __restrict__ y, long long n, int C) {
+extern "C" __global__ void bias_add_rows(const float* x, const float* __restrict__ bias,
+                                         float* y, long long n, int C) {
     for (long long i = (long long)blockIdx.x * BLOCK + threadIdx.x; i < n; i += (long long)gridDim.x * BLOCK)
         y[i] = x[i] + bias[i % C];
 }
 
-extern "C" __global__ void add(const float* __restrict__ a, const float* __restrict__ b,
-                               float* __restrict__ y, long long n) {
+extern "C" __global__ void add(const float* a, const float* b, float* y, long long n) {
     for (long long i = (long long)blockIdx.x * BLOCK + threadIdx.x; i < n; i += (long long)gridDim.x * BLOCK)
         y[i] = a[i] + b[i];
 }

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, launch_grid, load_module, device_info
+from common import expect_array, launch_grid, get_kernel, device_info
 from common.reference import mlp as ref
 
 HERE = Path(__file__).resolve().parent
@@ -136,10 +136,6 @@ def windows(ids: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ============================================================================ GPU wrappers
-def _mod(path, defines=None):
-    return load_module(path, defines=defines)
-
-
 def _blocks(n: int, block: int = 256) -> tuple:
     return (min(launch_grid(n, block)[0], device_info()["multiprocessors"] * 16),)
 
@@ -167,8 +163,8 @@ def embed_mean(emb, ctx, out=None, check: bool = True):
     E = emb.shape[1]
     x = cp.empty((B, E), cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(B, E))
     if B:
-        _mod(FWD).get_function("embed_mean")((B,), (min(256, max(32, -(-E // 32) * 32)),),
-                                            (emb, ctx, x, np.int32(B), np.int32(K), np.int32(E), np.int32(emb.shape[0])))
+        get_kernel(FWD, "embed_mean")((B,), (min(256, max(32, -(-E // 32) * 32)),),
+                                     (emb, ctx, x, np.int32(B), np.int32(K), np.int32(E), np.int32(emb.shape[0])))
     return x
 
 
@@ -182,7 +178,7 @@ def bias_add(y, bias):
     """v1 piece: y += bias (broadcast over rows), in place."""
     y = _rowwise("y", y, bias)
     if y.size:
-        _mod(FWD).get_function("bias_add")(_blocks(y.size), (256,), (y, bias, np.int64(y.size), np.int32(y.shape[1])))
+        get_kernel(FWD, "bias_add")(_blocks(y.size), (256,), (y, bias, np.int64(y.size), np.int32(y.shape[1])))
     return y
 
 
@@ -190,7 +186,7 @@ def relu(y):
     """v1 piece: y = max(y, 0), in place."""
     y = expect_array(y, "y", dtype=np.float32)
     if y.size:
-        _mod(FWD).get_function("relu")(_blocks(y.size), (256,), (y, np.int64(y.size)))
+        get_kernel(FWD, "relu")(_blocks(y.size), (256,), (y, np.int64(y.size)))
     return y
 
 
@@ -198,7 +194,7 @@ def bias_relu(h, bias):
     """Fused: h = relu(h + bias), in place."""
     h = _rowwise("h", h, bias)
     if h.size:
-        _mod(FWD).get_function("bias_relu")(_blocks(h.size), (256,), (h, bias, np.int64(h.size), np.int32(h.shape[1])))
+        get_kernel(FWD, "bias_relu")(_blocks(h.size), (256,), (h, bias, np.int64(h.size), np.int32(h.shape[1])))
     return h
 
 
@@ -212,7 +208,7 @@ def softmax(z, out=None):
     z = expect_array(z, "z", dtype=np.float32, ndim=2)
     p = cp.empty_like(z) if out is None else expect_array(out, "out", dtype=np.float32, shape=z.shape)
     if z.shape[0] and z.shape[1]:
-        _mod(FWD).get_function("softmax_rows")((z.shape[0],), (_row_block(z.shape[1]),), (z, p, np.int32(z.shape[1])))
+        get_kernel(FWD, "softmax_rows")((z.shape[0],), (_row_block(z.shape[1]),), (z, p, np.int32(z.shape[1])))
     return p
 
 
@@ -233,8 +229,8 @@ def ce_loss(p, targets, out=None, check: bool = True):
     t = _targets(targets, p.shape[0], p.shape[1], check)
     loss = cp.empty(p.shape[0], cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(p.shape[0],))
     if p.shape[0]:
-        _mod(FWD).get_function("ce_loss")(launch_grid(p.shape[0], 128), (128,),
-                                          (p, t, loss, np.int32(p.shape[0]), np.int32(p.shape[1])))
+        get_kernel(FWD, "ce_loss")(launch_grid(p.shape[0], 128), (128,),
+                                   (p, t, loss, np.int32(p.shape[0]), np.int32(p.shape[1])))
     return loss
 
 
@@ -245,8 +241,8 @@ def ce_grad(p, targets, scale: float, out=None, check: bool = True):
     t = _targets(targets, p.shape[0], p.shape[1], check)
     d = cp.empty_like(p) if out is None else expect_array(out, "out", dtype=np.float32, shape=p.shape)
     if p.size:
-        _mod(FWD).get_function("ce_grad")(_blocks(p.size), (256,),
-                                          (p, t, d, np.int64(p.size), np.int32(p.shape[1]), np.float32(scale)))
+        get_kernel(FWD, "ce_grad")(_blocks(p.size), (256,),
+                                   (p, t, d, np.int64(p.size), np.int32(p.shape[1]), np.float32(scale)))
     return d
 
 
@@ -274,7 +270,7 @@ def classifier(z, bias, targets=None, mode: str = "grad", scale: float | None = 
     if t is not None:
         loss = cp.empty(B, cp.float32) if losses is None else expect_array(losses, "losses", dtype=np.float32, shape=(B,))
     if B and V:
-        _mod(FWD).get_function("classifier_fused")(
+        get_kernel(FWD, "classifier_fused")(
             (B,), (_row_block(V),), (z, bias, t if t is not None else np.uint64(0), loss if loss is not None else np.uint64(0),
                                     np.int32(V), np.float32(1.0 / B if scale is None else scale),
                                     np.int32(CLASSIFIER_MODES[mode])))
@@ -288,7 +284,7 @@ def column_sum(a, out=None):
     rows, cols = a.shape
     out = cp.empty(cols, cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(cols,))
     if cols:
-        _mod(BWD).get_function("column_sum")((-(-cols // 32),), (STRIP,), (a, out, np.int32(rows), np.int32(cols)))
+        get_kernel(BWD, "column_sum")((-(-cols // 32),), (STRIP,), (a, out, np.int32(rows), np.int32(cols)))
     return out
 
 
@@ -299,7 +295,7 @@ def relu_backward(dh, h, out=None):
     h = expect_array(h, "h", dtype=np.float32, shape=dh.shape)
     out = cp.empty_like(dh) if out is None else expect_array(out, "out", dtype=np.float32, shape=dh.shape)
     if dh.size:
-        _mod(BWD).get_function("relu_backward")(_blocks(dh.size), (256,), (dh, h, out, np.int64(dh.size)))
+        get_kernel(BWD, "relu_backward")(_blocks(dh.size), (256,), (dh, h, out, np.int64(dh.size)))
     return out
 
 
@@ -316,7 +312,7 @@ def bias_grads_relu_backward(dz, dh, h, db2, db1):
     expect_array(db1, "db1", dtype=np.float32, shape=(H,))
     vblocks, hblocks = -(-V // 32), -(-H // 32)
     if vblocks + hblocks:
-        _mod(BWD).get_function("bias_grads_relu_backward")(
+        get_kernel(BWD, "bias_grads_relu_backward")(
             (vblocks + hblocks,), (STRIP,), (dz, db2, dh, h, db1, np.int32(B), np.int32(V), np.int32(H), np.int32(vblocks)))
 
 
@@ -337,9 +333,9 @@ def embedding_backward(dx, ctx, demb, zero: bool = True, check: bool = True):
     if zero:
         demb.fill(0)
     if ctx.shape[0]:
-        _mod(BWD).get_function("embedding_backward")((ctx.shape[0],), (min(256, -(-demb.shape[1] // 32) * 32),),
-                                                     (dx, ctx, demb, np.int32(ctx.shape[1]), np.int32(demb.shape[1]),
-                                                      np.int32(demb.shape[0])))
+        get_kernel(BWD, "embedding_backward")((ctx.shape[0],), (min(256, -(-demb.shape[1] // 32) * 32),),
+                                              (dx, ctx, demb, np.int32(ctx.shape[1]), np.int32(demb.shape[1]),
+                                               np.int32(demb.shape[0])))
     return demb
 
 
@@ -348,9 +344,9 @@ def embedding_sgd(emb, dx, ctx, lr: float, check: bool = True):
     emb = expect_array(emb, "emb", dtype=np.float32, ndim=2)
     dx, ctx = _emb_args(emb, dx, ctx, check, "emb")
     if ctx.shape[0]:
-        _mod(BWD).get_function("embedding_sgd")((ctx.shape[0],), (min(256, -(-emb.shape[1] // 32) * 32),),
-                                                (emb, dx, ctx, np.float32(lr), np.int32(ctx.shape[1]),
-                                                 np.int32(emb.shape[1]), np.int32(emb.shape[0])))
+        get_kernel(BWD, "embedding_sgd")((ctx.shape[0],), (min(256, -(-emb.shape[1] // 32) * 32),),
+                                         (emb, dx, ctx, np.float32(lr), np.int32(ctx.shape[1]),
+                                          np.int32(emb.shape[1]), np.int32(emb.shape[0])))
     return emb
 
 
@@ -387,20 +383,19 @@ class SGD:
         for k in names:
             if grads[k].shape != self.params[k].shape:
                 raise ValueError(f"grads[{k!r}]: expected shape {self.params[k].shape}, got {grads[k].shape}")
-        mod = _mod(UPD)
         if not multi:
             for k in names:
                 p, g = self.params[k], grads[k]
-                mod.get_function("sgd_v1")(_blocks(p.size), (256,), (p, g, np.int64(p.size), np.float32(self.lr),
-                                                                     np.float32(self._wd(k))))
+                get_kernel(UPD, "sgd_v1")(_blocks(p.size), (256,), (p, g, np.int64(p.size), np.float32(self.lr),
+                                                                    np.float32(self._wd(k))))
             return
         key = (tuple(names), tuple(grads[k].data.ptr for k in names))
         if key not in self._tables:
             self._tables[key] = _Table([[self.params[k], grads[k]] for k in names],
                                        [self.params[k].size for k in names], [self._wd(k) for k in names])
         t = self._tables[key]
-        mod.get_function("sgd_multi")((t.blocks,), (256,), (t.ptrs, t.sizes, t.wds, t.first, np.int32(t.n),
-                                                            np.float32(self.lr)))
+        get_kernel(UPD, "sgd_multi")((t.blocks,), (256,), (t.ptrs, t.sizes, t.wds, t.first, np.int32(t.n),
+                                                           np.float32(self.lr)))
 
     def _wd(self, k):
         return self.wd if k in self.decayed else 0.0
@@ -429,12 +424,11 @@ class AdamW:
         bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
         hyper = (np.float32(self.lr), np.float32(b1), np.float32(b2), np.float32(1.0 - b1), np.float32(1.0 - b2),
                  np.float32(self.eps))
-        mod = _mod(UPD)
         if not multi:
             for k, p in self.params.items():
-                mod.get_function("adamw_v1")(_blocks(p.size), (256,), (p, grads[k], self.m[k], self.v[k], np.int64(p.size),
-                                                                       *hyper, np.float32(self._wd(k)),
-                                                                       np.float32(bc1), np.float32(bc2)))
+                get_kernel(UPD, "adamw_v1")(_blocks(p.size), (256,), (p, grads[k], self.m[k], self.v[k], np.int64(p.size),
+                                                                      *hyper, np.float32(self._wd(k)),
+                                                                      np.float32(bc1), np.float32(bc2)))
             return
         key = tuple(grads[k].data.ptr for k in self.params)
         if key not in self._tables:
@@ -442,8 +436,8 @@ class AdamW:
             self._tables[key] = _Table([[self.params[k], grads[k], self.m[k], self.v[k]] for k in names],
                                        [self.params[k].size for k in names], [self._wd(k) for k in names])
         t = self._tables[key]
-        mod.get_function("adamw_multi")((t.blocks,), (256,), (t.ptrs, t.sizes, t.wds, t.first, np.int32(t.n), *hyper,
-                                                              np.float32(bc1), np.float32(bc2)))
+        get_kernel(UPD, "adamw_multi")((t.blocks,), (256,), (t.ptrs, t.sizes, t.wds, t.first, np.int32(t.n), *hyper,
+                                                             np.float32(bc1), np.float32(bc2)))
 
     def _wd(self, k):
         return self.wd if k in self.decayed else 0.0

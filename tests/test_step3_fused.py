@@ -155,12 +155,31 @@ def test_residual_layernorm_in_place(shape):
 
 @gpu
 @pytest.mark.sanitize
-def test_residual_layernorm_unaligned_and_allocating():
+def test_residual_layernorm_unaligned():
+    """Unaligned views (x and both outputs one float past a 16-byte boundary) take the scalar kernel."""
     N, C = 3, 768
-    base = g(N * C + 1, seed=2)
-    x = base[1:].reshape(N, C)
+    x = g(N * C + 1, seed=2)[1:].reshape(N, C)
     _, p, pb, w, b = _residual_case(N, C, seed=9)
+    r = poison(cp.empty(N * C + 1, cp.float32))[1:].reshape(N, C)
+    y = poison(cp.empty(N * C + 1, cp.float32))[1:].reshape(N, C)
+    got_r, got_y = _ops().residual_layernorm(x, p, pb, w, b, out_residual=r, out_ln=y)
+    assert got_r is r and got_y is y
+    want_r, want_y = R.residual_layernorm(x, p, pb, w, b, 1e-5)
+    assert_close(r, want_r, rtol=2e-6)
+    assert_close(y, want_y, rtol=2e-6)
+
+
+@gpu
+@pytest.mark.sanitize
+def test_residual_layernorm_allocating():
+    """Without out= buffers the wrapper allocates both outputs. CuPy's pool hands back the blocks freed
+    just before, so they are filled with NaN first: an element the kernel skipped would stay NaN."""
+    N, C = 5, 768
+    x, p, pb, w, b = _residual_case(N, C, seed=10)
+    stale = [poison(cp.empty((N, C), cp.float32)) for _ in range(4)]
+    del stale
     r, y = _ops().residual_layernorm(x, p, pb, w, b)
+    assert r.shape == y.shape == (N, C) and r.dtype == y.dtype == cp.float32
     want_r, want_y = R.residual_layernorm(x, p, pb, w, b, 1e-5)
     assert_close(r, want_r, rtol=2e-6)
     assert_close(y, want_y, rtol=2e-6)
@@ -207,9 +226,15 @@ def test_glue_kernels():
     assert_close(m, RF.merge_heads(v), rtol=0)
     s = ops.add(qkv, qb, out=poison(cp.empty_like(qkv)))
     assert_close(s, R.f64(qkv) + R.f64(qb), rtol=1e-7)
+    # in place (out is an input), as the over-fusion baseline runs bias_add_rows
+    inplace = qkv.copy()
+    assert ops.bias_add_rows(inplace, bias, out=inplace) is inplace
+    assert_close(inplace, R.f64(qkv) + R.f64(bias), rtol=1e-7)
+    assert ops.add(inplace, qb, out=inplace) is inplace
+    assert_close(inplace, R.f64(qkv) + R.f64(bias) + R.f64(qb), rtol=1e-7)
 
 
-SUBLAYER_SMALL = [(1, 1, 64, 1), (2, 67, 128, 2), (1, 130, 192, 3)]
+SUBLAYER_SMALL = [(1, 1, 64, 1), (2, 67, 128, 2), (1, 130, 192, 3), (2, 45, 128, 4)]   # D = 64, 64, 64, 32
 
 
 def _sublayer(fused, B, T, C, H, seed=0):
@@ -395,6 +420,14 @@ def test_bad_inputs_are_named():
         ops.decode_sublayer(xd, q, kc[:1], vc[:1], lens, wd, pb, lw, lb)
     with pytest.raises(ValueError, match="version"):
         ops.decode_sublayer(xd, q, kc, vc, lens, wd, pb, lw, lb, version="one")
+    with pytest.raises(ValueError, match="n_head: expected a positive integer"):
+        ops.split_heads(g(1, 2, 6, seed=3), 0)
+    with pytest.raises(ValueError, match="n_head: expected a positive integer"):
+        ops.split_heads(g(1, 2, 6, seed=3), -1)
+    with pytest.raises(ValueError, match="rows: expected a positive integer"):
+        ops.ln_linear_overfused(x, w, b, g(8, 5, seed=4), g(5, seed=5), rows=0)
+    with pytest.raises(ValueError, match="cols: expected a positive integer"):
+        ops.ln_linear_overfused(x, w, b, g(8, 5, seed=4), g(5, seed=5), cols=-2)
     with pytest.raises(ValueError, match="head dimension"):
         ops.decode_attention(g(1, 1, 48, seed=1), g(1, 1, 4, 48, seed=2), g(1, 1, 4, 48, seed=3),
                              cp.ones(1, cp.int32))
