@@ -12,6 +12,9 @@
 - prefill 8 x 1024 tokens (logits of the last position, as generate needs) vs transformers eager.
 - one decode step (batch 1, 128 cached tokens): time per op eagerly (CUDA events between ops: kernel +
   launch gaps) vs each op alone inside a CUDA graph, and the whole step eager vs graph replay.
+- A/B of the decode choices: one greedy step replayed from a graph for each plan ("fused" = v5 with
+  LayerNorm prologue, "split" = v4 + step 3's LayerNorm) x attention version at batch 1 and 8 and
+  3 cache lengths; and whole generate() runs with each choice switched off in turn.
 - the GEMV versions on GPT-2 124M's five decode shapes (one launch, L2 flushed, batch 1 and 8) as a
   fraction of copy bandwidth, and step 2's decode_attention v1 (one launch) vs v2 (split-K + combine)
   at the cache sizes of the decode benchmark; `GPT.decode_attention_version` picks one.
@@ -112,6 +115,78 @@ def decode_rows(model, hf) -> list[Row]:
         if hf_s is not None:
             rows.append(Row(f"decode b={batch} HF generate (anchor)", f"124M, {NEW_TOKENS} tok",
                             hf_s / NEW_TOKENS * 1e3, batch * NEW_TOKENS / hf_s, "tok/s"))
+    return rows
+
+
+def _with(obj, **attrs):
+    """Set attributes for a with-block and restore them after (the A/B switches)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        old = {k: getattr(obj, k) for k in attrs}
+        for k, v in attrs.items():
+            setattr(obj, k, v)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                setattr(obj, k, v)
+    return cm()
+
+
+def replay_ms(model, B: int, ctx: int, plan: str, version: int):
+    """Timing of one greedy decode step (B sequences, ctx cached rows) replayed from a CUDA graph."""
+    import cupy as cp
+    from step4_gpt2.model import DecodeState
+    s = DecodeState(model.config, B, ctx + 1)
+    for a in s.cache.k + s.cache.v:
+        a[...] = cp.random.default_rng(0).standard_normal(a.shape, dtype=cp.float32) * 0.1
+    s.pos[...] = ctx
+    s.lens[...] = ctx + 1
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        model.decode_step(s, attention_version=version, plan=plan)        # compile, allocate workspaces
+        stream.begin_capture()
+        try:
+            model.decode_step(s, attention_version=version, plan=plan)
+        finally:
+            g = stream.end_capture()
+        t = bench(lambda: g.launch(stream), name=f"step replay b={B} {plan} attn v{version} ctx={ctx}",
+                  warmup=3, repeat=30)
+    del s
+    return t
+
+
+def ab_rows(model) -> list[Row]:
+    """Direct A/B of each decode choice: the step alone (graph replay) and whole generate() runs."""
+    import step4_gpt2.generate as G
+    rows = []
+    for B in (1, 8):
+        for ctx in (9, 128, 263):
+            ts = {(plan, v): replay_ms(model, B, ctx, plan, v) for plan in ("fused", "split") for v in (1, 2)}
+            best = min(ts.values(), key=lambda t: t.median_ms)
+            for (plan, v), t in ts.items():
+                chosen = plan == model.plan_for(B) and v == model.attention_version_for(ctx + 1)
+                r = Row.of(t, f"b={B}, {ctx} cached" + (" (chosen)" if chosen else ""), anchor=("best", best))
+                rows.append(r)
+    variants = [("all choices on", {}, {}),
+                ("attention v2 only", {"attention_v1_max_len": None}, {}),
+                ("no host pipelining", {}, {"PIPELINE_DEPTH": 1}),
+                ("no graph/state reuse across calls", {"keep_graphs": False}, {})]
+    for B in (1, 8):
+        vs = variants + [(f"plan {p}", {"decode_plan": p}, {}) for p in ("fused", "split")] if B == 8 else variants
+        base = None
+        for label, mattrs, gattrs in vs:
+            with _with(model, **mattrs), _with(G, **gattrs):
+                model._decode_cache = None
+                s = ours_generate_s(model, B, NEW_TOKENS)
+            model._decode_cache = None
+            base = base or s
+            r = Row(f"A/B generate b={B}: {label}", f"124M, {NEW_TOKENS} tok", s / NEW_TOKENS * 1e3,
+                    B * NEW_TOKENS / s, "tok/s")
+            r.anchor, r.ratio = "all choices on", base / s
+            rows.append(r)
     return rows
 
 
@@ -239,7 +314,7 @@ def gemv_rows() -> list[Row]:
         W = cp.asarray(rand(N, K, seed=1))
         for B in (1, 8):
             x, y = cp.asarray(rand(B, K, seed=2)), cp.empty((B, N), cp.float32)
-            for name, kw in variants if B == 1 else [variants[1], variants[4]]:
+            for name, kw in variants if B == 1 else [variants[1], variants[2], variants[4]]:
                 t = bench(lambda: gemv(x, W, out=y, **kw), name=f"GEMV {label} b={B} {name}",
                           bytes=W.nbytes + x.nbytes + y.nbytes, warmup=3, repeat=30)
                 rows.append(Row.of(t, f"{N}x{K}", ceiling=("copy bw", bw)))
@@ -273,6 +348,7 @@ def run() -> list[Row]:
     model, hf, _ = setup()
     rows = gemv_rows() + attention_rows(model)
     rows += decode_rows(model, hf)
+    rows += ab_rows(model)
     rows += prefill_rows(model, hf)
     rows += breakdown_rows(model)
     return rows

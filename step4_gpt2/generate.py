@@ -7,9 +7,13 @@
 - Prompts of different lengths share one batch: they are right-padded; causal attention never lets a
   real token see the padding, and each sequence's position (pos) and cache length (lens) live on the
   device, so a new token is written at its own sequence's position.
-- cuda_graph=True: the first decode step runs eagerly (compiles and warms every kernel), the second is
-  captured into a CUDA graph (CuPy stream capture) and every later step replays it: ~90 launches become
-  one. Greedy decoding keeps the choice (argmax) and the position update inside the graph too.
+- cuda_graph=True: the first decode step runs eagerly (compiles and warms every kernel), then the step
+  is captured into a CUDA graph (CuPy stream capture) and every later step replays it: ~60-90 launches
+  become one. One graph per attention version (step 2's v1 while the cache is short, v2 when long; the
+  host knows each step's cache length and replays the right one). Greedy decoding keeps the choice
+  (argmax) and the position update inside the graph too, so the host queues the next step before it
+  reads the last one's tokens. With model.keep_graphs the state and graphs are kept for the next call
+  with the same batch, cache length and greedy flag (as a server keeps its captured graphs).
 - Sampling (temperature > 0, top-k, top-p) draws one uniform number per sequence per step from a NumPy
   Generator seeded with `seed`, so a seed gives the same text on every run.
 """
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from step4_gpt2.tokenizer import EOT
+
+PIPELINE_DEPTH = 2     # greedy decode steps queued ahead of the host's token read (1 = none ahead)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -167,32 +173,84 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
             gen.decode_s = time.perf_counter() - t0
             return gen
 
-        s = DecodeState(cfg, B, max(lens) + max_new_tokens - 1)
+        length = max(lens) + max_new_tokens - 1
+        key = (B, length, greedy)
+        cached = model._decode_cache if model.keep_graphs else None
+        if cached is not None and cached[0] == key:
+            _, s, graphs, warmed = cached
+        else:
+            model._decode_cache = None                # drop the old state (and its graphs) before allocating
+            s, graphs, warmed = DecodeState(cfg, B, length), {}, set()
+            if model.keep_graphs:
+                model._decode_cache = (key, s, graphs, warmed)
         logits = model.forward(padded, cache=s.cache, last=np.array(lens) - 1)
         s.pos[...] = cp.asarray(np.array(lens, np.int32))
         s.lens[...] = s.pos + 1
         choose(logits, s.tokens)
         host = s.tokens.get()
         gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
-        graph = None
-        for step in range(max_new_tokens):
-            if record(host) or step == max_new_tokens - 1:
-                break
-            if graph is not None:
-                graph.launch(stream)
-            else:
-                model.decode_step(s, greedy=greedy)
-                if cuda_graph and step == 0:          # step 0 warmed every kernel; capture from now on
-                    stream.begin_capture()
-                    try:
-                        model.decode_step(s, greedy=greedy)
-                    finally:
-                        graph = stream.end_capture()
-            if not greedy:
+        plan = model.plan_for(B)
+        gen.info.update(plan=plan, attention_versions=set())
+
+        def capture(version):
+            stream.begin_capture()
+            try:
+                model.decode_step(s, greedy=greedy, attention_version=version, plan=plan)
+            except BaseException:
+                stream.end_capture()
+                raise
+            return stream.end_capture()
+
+        def step(k):
+            """Enqueue decode step k (cache rows of the longest sequence: max(lens) + 1 + k)."""
+            version = model.attention_version_for(max(lens) + 1 + k)
+            gen.info["attention_versions"].add(version)
+            gkey = (plan, version)
+            if cuda_graph and gkey not in graphs and plan in warmed:
+                model.warm(s, version)            # its workspace exists before the capture
+                graphs[gkey] = capture(version)
+            if cuda_graph and gkey in graphs:
+                graphs[gkey].launch(stream)
+                return
+            model.decode_step(s, greedy=greedy, attention_version=version, plan=plan)   # compiles, warms
+            warmed.add(plan)
+            if cuda_graph:                       # captured (not run) now, replayed from the next step on
+                graphs[gkey] = capture(version)
+
+        n_steps = max_new_tokens - 1             # the prefill made the first token
+        if record(host) or n_steps == 0:
+            pass
+        elif greedy:
+            # The tokens stay on the device (argmax feeds the next step), so the host queues step k+1
+            # before it reads step k's tokens (an async copy into pinned memory): the GPU never waits
+            # for the host's read + launch between two steps. On EOS at most DEPTH-1 steps are wasted.
+            import cupyx
+            depth, launched, pending = max(1, PIPELINE_DEPTH), 0, []
+            ring = cupyx.empty_pinned((depth + 1, B), np.int32)
+            while True:
+                while launched < n_steps and len(pending) < depth:
+                    step(launched)
+                    slot = ring[launched % (depth + 1)]
+                    s.tokens.get(stream=stream, out=slot, blocking=False)
+                    pending.append((stream.record(), slot))
+                    launched += 1
+                if not pending:
+                    break
+                event, slot = pending.pop(0)
+                event.synchronize()
+                gen.steps += 1
+                if record(slot.copy()):
+                    break
+        else:
+            for k in range(n_steps):
+                step(k)
                 choose(s.logits, s.tokens)
                 advance(s.pos, s.lens)
-            host = s.tokens.get()
-            gen.steps += 1
+                host = s.tokens.get()
+                gen.steps += 1
+                if record(host):
+                    break
+        stream.synchronize()                     # nothing of this call may still run when the state is reused
         gen.decode_s = time.perf_counter() - t0
     return gen
 

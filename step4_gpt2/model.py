@@ -14,10 +14,12 @@ Two ways through the model:
 - `forward(idx)`: a whole prompt (prefill) with cuBLAS GEMMs and flash attention; with a KVCache it also
   stores every position's k and v.
 - `decode_step(state)`: one new token per sequence against the KV cache. At batch <= 8 every matrix
-  product is a GEMV (gemv_v5, gpt2.cu) reading each weight once; LayerNorm is fused into the GEMV that
-  reads its output (prologue) and bias + residual into the projections (epilogue), so a block is 5
-  launches. The attention is step 2's decode_attention and positions are read on the device: the whole
-  step is our own kernels with preallocated buffers, so generate.py can capture it in a CUDA graph.
+  product is a GEMV reading each weight once. Two plans (`GPT.plan_for`): at batch <= 2 "fused" (gemv_v5,
+  LayerNorm fused into the GEMV that reads its output, bias + residual into the projections: a block is
+  5 launches); above it "split" (gemv_v4, LayerNorm done once per row by step 3's kernels: 7 launches,
+  but no block re-normalises all B rows). The attention is step 2's decode_attention (v1 while the
+  cache is short, v2 when long: `GPT.attention_version_for`) and positions are read on the device: the
+  whole step is our own kernels with preallocated buffers, so generate.py can capture it in CUDA graphs.
 Weights live on the GPU once, Conv1D matrices transposed to (out, in) so a GEMV reads each output's
 weights contiguously; cuBLAS reads the same array transposed (no copy) for the prefill.
 """
@@ -41,6 +43,8 @@ V4_WARPS = 4       # gemv_v4: 4 warps share ROWS rows, splitting K
 V5_UNROLL = 4      # gemv_v5: float4 loads per row in flight per lane
 V5_BLOCKS_PER_SM = 16   # gemv_v5: grid cap; bigger matrices (the LM head) loop over row tiles
 V5_LN_BLOCKS_PER_SM = 4  # ... with a LayerNorm prologue over > 2 rows: fewer blocks, each normalising once
+FUSED_MAX_BATCH = 2      # decode plan "fused" (v5 + LayerNorm prologue) up to this batch, "split" above it
+ATTN_V1_MAX_LEN = 128    # step 2's decode_attention v1 beats v2 up to ~128 cached rows (H200, 2026-11-21)
 
 
 # ----------------------------------------------------------------------------- the kernels of gpt2.cu
@@ -275,6 +279,7 @@ class DecodeState:
         self.pos = cp.zeros(B, cp.int32)
         self.lens = cp.ones(B, cp.int32)
         self.x, self.q, self.att = (cp.empty((B, C), cp.float32) for _ in range(3))
+        self.a, self.y = cp.empty((B, C), cp.float32), cp.empty((B, C), cp.float32)   # "split" plan: ln out, proj out
         self.h = cp.empty((B, 4 * C), cp.float32)
         self.logits = cp.empty((B, config.vocab_size), cp.float32)
         self.batch = B
@@ -282,6 +287,9 @@ class DecodeState:
 
 class GPT:
     decode_attention_version = 2     # step 2's decode_attention: 1 = one launch, 2 = split-K + combine
+    attention_v1_max_len = ATTN_V1_MAX_LEN   # ... but v1 while the longest sequence has <= this many rows
+    decode_plan = None               # None: plan_for(batch) picks "fused" (B <= FUSED_MAX_BATCH) or "split"
+    keep_graphs = True               # generate() keeps the decode state + CUDA graphs for the next call
 
     def __init__(self, config: GPTConfig, params: dict):
         import cupy as cp
@@ -296,7 +304,9 @@ class GPT:
         self.wpe = cp.asarray(params["wpe.weight"], dtype=cp.float32)
         self.h = [Block(params, i) for i in range(config.n_layer)]
         self.ln_f = (cp.asarray(params["ln_f.weight"], dtype=cp.float32), cp.asarray(params["ln_f.bias"], dtype=cp.float32))
-        _fn("gemv_v5", V5_ROWS)    # compile gpt2.cu now, not inside a graph capture
+        _fn("gemv_v5", V5_ROWS)    # compile gpt2.cu now (both plans' modules), not inside a graph capture
+        _fn("gemv_v4")
+        self._decode_cache = None  # generate(): (key, DecodeState, {(plan, attn version): graph}, warmed plans)
 
     @classmethod
     def from_file(cls, path) -> "GPT":
@@ -370,31 +380,84 @@ class GPT:
         return gemv(cp.ascontiguousarray(rows), self.wte)
 
     # ------------------------------------------------------------------ decode: one token per sequence
-    def decode_step(self, s: DecodeState, greedy: bool = False, mark=None):
+    def plan_for(self, batch: int) -> str:
+        """The decode-step plan for a batch size (self.decode_plan overrides it; benchmarks.py A/Bs both):
+        "fused": GEMV v5 (ROWS=4), LayerNorm in each GEMV's prologue, residual in the epilogue: 5 launches
+        a block. Wins at batch 1-2, where a block's prologue re-normalises 1-2 rows.
+        "split": GEMV v4 (more, smaller blocks) on rows normalised once by step 3's layernorm /
+        residual_layernorm: 7 launches a block, but no block repeats the LayerNorm of all B rows."""
+        plan = self.decode_plan or ("fused" if batch <= FUSED_MAX_BATCH else "split")
+        if plan not in ("fused", "split"):
+            raise ValueError(f"decode_plan: expected None, 'fused' or 'split', got {plan!r}")
+        return plan
+
+    def attention_version_for(self, max_len: int) -> int:
+        """step 2's decode_attention version for a step whose longest sequence has max_len cache rows:
+        v1 (one launch) while the cache is short, v2 (split-K + combine) once it is long."""
+        lim = self.attention_v1_max_len
+        return 1 if lim is not None and max_len <= lim else self.decode_attention_version
+
+    def warm(self, s: DecodeState, attention_version: int) -> None:
+        """Run (eagerly) what a first decode_step call with this attention version would set up
+        (decode_attention's workspace), so that the step can be captured without allocating. Writes s.att only."""
+        from step2_attention.flash import decode_attention
+        B, H, D = s.batch, self.config.n_head, self.config.head_dim
+        decode_attention(s.q.reshape(B, H, D), s.cache.k[0], s.cache.v[0], s.lens, out=s.att.reshape(B, H, D),
+                         version=attention_version)
+
+    def decode_step(self, s: DecodeState, greedy: bool = False, mark=None, attention_version: int | None = None,
+                    plan: str | None = None):
         """Logits for s.tokens at positions s.pos into s.logits, k/v appended to the cache at s.pos.
         greedy: also s.tokens = argmax and pos, lens += 1, on the device. No allocation, no host sync:
         capturable. `mark(name)` (optional) is called after each op, for the per-kernel breakdown.
-        s.x is the residual stream; every LayerNorm happens inside the GEMV that consumes it."""
+        s.x is the residual stream. attention_version: step 2's decode_attention version (default
+        self.decode_attention_version); plan: "fused" / "split" (default self.plan_for(batch))."""
         from step2_attention.flash import decode_attention
+        from step3_fused.ops import layernorm, residual_layernorm
         cfg = self.config
         B, H, D, eps = s.batch, cfg.n_head, cfg.head_dim, cfg.eps
+        av = attention_version or self.decode_attention_version
+        fused = (plan or self.plan_for(B)) == "fused"
         mark = mark or (lambda name: None)
         embedding(s.tokens, s.pos, self.wte, self.wpe, s.x)
         mark("embedding")
+        if not fused:
+            layernorm(s.x, *self.h[0].ln_1, eps=eps, out=s.a)
+            mark("ln_1 (step 3)")
         for i, blk in enumerate(self.h):
-            gemv_qkv(s.x, blk.c_attn, blk.c_attn_b, s.q, s.cache.k[i], s.cache.v[i], s.pos, ln=blk.ln_1, eps=eps)
-            mark("ln_1 + qkv GEMV + KV append")
+            if fused:
+                gemv_qkv(s.x, blk.c_attn, blk.c_attn_b, s.q, s.cache.k[i], s.cache.v[i], s.pos, ln=blk.ln_1, eps=eps)
+            else:
+                gemv_qkv(s.a, blk.c_attn, blk.c_attn_b, s.q, s.cache.k[i], s.cache.v[i], s.pos, version=4)
+            mark("ln_1 + qkv GEMV + KV append" if fused else "qkv GEMV + KV append")
             decode_attention(s.q.reshape(B, H, D), s.cache.k[i], s.cache.v[i], s.lens, out=s.att.reshape(B, H, D),
-                             version=self.decode_attention_version)
+                             version=av)
             mark("decode attention")
-            gemv(s.att, blk.c_proj, blk.c_proj_b, out=s.x, residual=True)
-            mark("attn proj GEMV + residual")
-            gemv(s.x, blk.c_fc, blk.c_fc_b, out=s.h, gelu=True, ln=blk.ln_2, eps=eps)
-            mark("ln_2 + fc GEMV + GELU")
-            gemv(s.h, blk.mlp_proj, blk.mlp_proj_b, out=s.x, residual=True)
-            mark("mlp proj GEMV + residual")
-        gemv(s.x, self.wte, out=s.logits, ln=self.ln_f, eps=eps)
-        mark("ln_f + LM head GEMV")
+            if fused:
+                gemv(s.att, blk.c_proj, blk.c_proj_b, out=s.x, residual=True)
+                mark("attn proj GEMV + residual")
+                gemv(s.x, blk.c_fc, blk.c_fc_b, out=s.h, gelu=True, ln=blk.ln_2, eps=eps)
+                mark("ln_2 + fc GEMV + GELU")
+                gemv(s.h, blk.mlp_proj, blk.mlp_proj_b, out=s.x, residual=True)
+                mark("mlp proj GEMV + residual")
+            else:
+                gemv(s.att, blk.c_proj, out=s.y, version=4)
+                mark("attn proj GEMV")
+                residual_layernorm(s.x, s.y, blk.c_proj_b, *blk.ln_2, eps=eps, out_residual=s.x, out_ln=s.a)
+                mark("bias + residual + ln_2 (step 3)")
+                gemv(s.a, blk.c_fc, blk.c_fc_b, out=s.h, gelu=True, version=4)
+                mark("fc GEMV + GELU")
+                gemv(s.h, blk.mlp_proj, out=s.y, version=4)
+                mark("mlp proj GEMV")
+                residual_layernorm(s.x, s.y, blk.mlp_proj_b, *self._ln_after(i), eps=eps, out_residual=s.x,
+                                   out_ln=s.a)
+                mark("bias + residual + next LayerNorm (step 3)")
+        if fused:
+            gemv(s.x, self.wte, out=s.logits, ln=self.ln_f, eps=eps)
+            mark("ln_f + LM head GEMV")
+        else:                      # a = ln_f(x) already; v5 beats v4 on the LM head at batch 8
+            gemv(s.a, self.wte, out=s.logits)
+            mark("LM head GEMV")
         if greedy:
             argmax(s.logits, s.tokens, s.pos, s.lens)
             mark("argmax")

@@ -323,7 +323,8 @@ def test_logits_match_transformers_and_reference(cp, tmp_path, cfg):
 
 
 @gpu
-def test_decode_steps_match_full_forward(cp, small_dir):
+@pytest.mark.parametrize("plan,attention_version", [("fused", 2), ("split", 1), ("fused", 1), ("split", 2)])
+def test_decode_steps_match_full_forward(cp, small_dir, plan, attention_version):
     from step4_gpt2.model import DecodeState
     model, hf = _model(small_dir), hf_model(small_dir, device="cuda")
     rng = np.random.default_rng(5)
@@ -339,7 +340,7 @@ def test_decode_steps_match_full_forward(cp, small_dir):
     for step in range(6):
         s.tokens[...] = cp.asarray(np.array([seqs[b][lens[b] + step] for b in range(2)], np.int32))
         poison(s.logits)
-        model.decode_step(s)
+        model.decode_step(s, attention_version=attention_version, plan=plan)
         for b in range(2):
             want = _hf_logits(hf, [seqs[b][:lens[b] + step + 1]])[0, -1]
             assert max_rel(s.logits[b].get(), want) <= 1e-4, (step, b)
@@ -368,6 +369,30 @@ def test_greedy_200_tokens_identical_to_transformers(cp, small_dir, kv_cache, cu
     for b, p in enumerate(prompts):
         assert len(gen.tokens[b]) == 200
         assert gen.tokens[b] == _hf_greedy(hf, p, 200), f"prompt {b}"
+
+
+@gpu
+@pytest.mark.parametrize("plan", ["fused", "split"])
+def test_greedy_plans_graph_reuse_and_eos(cp, small_dir, plan):
+    """Both decode plans, graphs kept across calls (a second call replays the first call's graphs, one per
+    attention version), the pipelined greedy loop stopping at EOS, and the eager path: identical tokens."""
+    from step4_gpt2.generate import generate
+    model, hf = _model(small_dir), hf_model(small_dir, device="cuda")
+    model.decode_plan = plan
+    prompts = [[5, 6, 7, 8], [900, 901]]
+    want = [_hf_greedy(hf, p, 150) for p in prompts]
+    first = generate(model, prompts, max_new_tokens=150, stop_at_eos=False)
+    assert first.info["plan"] == plan and first.info["attention_versions"] == {1, 2}
+    assert first.tokens == want
+    assert generate(model, prompts, max_new_tokens=150, stop_at_eos=False).tokens == want   # reused graphs
+    assert generate(model, prompts, max_new_tokens=150, stop_at_eos=False, cuda_graph=False).tokens == want
+    stop = want[0][20]
+    gen = generate(model, prompts, max_new_tokens=150, eos=stop)
+    assert gen.tokens[0] == want[0][:want[0].index(stop) + 1]
+    if stop in want[1]:
+        assert gen.tokens[1] == want[1][:want[1].index(stop) + 1]
+    else:
+        assert gen.tokens[1] == want[1]
 
 
 @gpu
