@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from common import bench, copy_bandwidth, rand
+from common import bench, copy_bandwidth, rand, torch_cuda
 from common.benchmarks import Row
 
 SOFTMAX_SHAPE = (98304, 1024)
@@ -19,14 +19,6 @@ MATMUL_N = 4096
 ATTN = dict(B=8, H=12, D=64)
 ATTN_T = (128, 256, 512, 1024, 2048)
 MATMUL_V3_ALTERNATIVES = ({"BK": 16, "MIN_BLOCKS": 1},)   # BK=16 needs > 128 registers
-
-
-def _torch():
-    try:
-        import torch
-        return torch if torch.cuda.is_available() else None
-    except Exception:
-        return None
 
 
 def softmax_rows() -> list[Row]:
@@ -38,7 +30,7 @@ def softmax_rows() -> list[Row]:
     nbytes = 8 * x.size
     size = f"{rows_}x{cols}"
     ceiling = ("copy bw", copy_bandwidth())
-    torch = _torch()
+    torch = torch_cuda()
     t_torch = None
     if torch is not None:
         xt = torch.from_dlpack(x)

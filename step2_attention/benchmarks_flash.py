@@ -1,13 +1,11 @@
-"""Step 2b benchmark rows: attention at B=8, H=12, D=64, causal, T = 128 .. 2048 (naive three kernels,
-cuBLAS-based, fused fp32, tensor cores fp16/bf16, torch SDPA when installed), tile-size sweeps at
-T=1024, and decode attention vs the bytes floor. FLOPs: 4*B*H*T*T*D / 2 for causal attention (only the
-visible half counts, the FlashAttention convention), the same count for every row."""
+"""Step 2b benchmark rows: attention at B=8, H=12, D=64, causal, T = 128 .. 2048 (fused fp32, tensor
+cores fp16/bf16, torch SDPA when installed), tile-size sweeps at T=1024, and decode attention vs the
+bytes floor. The naive and cuBLAS-based lines of the same sweep are benchmarks.py's (measured once, there);
+the fused kernel's "vs naive" target uses one naive measurement at T=1024 here. FLOPs: 4*B*H*T*T*D / 2 for
+causal attention (only the visible half counts, the FlashAttention convention), the same count for every row."""
 from __future__ import annotations
 
-import numpy as np
-
-from common import rand
-from common.timing import bench, copy_bandwidth   # not `from common import bench`: the common.benchmarks module shadows it
+from common import bench, copy_bandwidth, rand, torch_cuda
 from common.benchmarks import Row
 
 B, H, D = 8, 12, 64
@@ -15,49 +13,57 @@ TS = (128, 256, 512, 1024, 2048)
 TARGET_T = 1024
 
 
-def _torch_sdpa():
+SDPA_BACKENDS = {"fp32": "EFFICIENT_ATTENTION", "fp16": "FLASH_ATTENTION", "bf16": "FLASH_ATTENTION"}
+
+
+def have_sdpa() -> bool:
+    """torch with CUDA and torch.nn.attention's backend selection (torch >= 2.3)."""
+    if torch_cuda() is None:
+        return False
     try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except Exception:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    def make(q, k, v, dtype, backend):
-        tq, tk, tv = (torch.as_tensor(x, device="cuda").to(dtype) for x in (q, k, v))
-        f = torch.nn.functional.scaled_dot_product_attention
 
-        def run():
-            with sdpa_kernel(backend):
-                return f(tq, tk, tv, is_causal=True)
-        return run
-    return make, SDPBackend, torch
+def torch_sdpa(q, k, v, dtype: str = "fp32", causal: bool = True):
+    """A zero-argument callable that runs torch's scaled_dot_product_attention on copies of the float32
+    CuPy arrays q, k, v (B, H, T, D) converted to dtype ("fp32", "fp16" or "bf16"), pinned to one backend:
+    memory-efficient for fp32, flash for fp16/bf16 (TF32 off). Check have_sdpa() first."""
+    torch = torch_cuda()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    backend = getattr(SDPBackend, SDPA_BACKENDS[dtype])
+    tq, tk, tv = (torch.as_tensor(x, device="cuda").to(tdt) for x in (q, k, v))
+    f = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with sdpa_kernel(backend):
+            return f(tq, tk, tv, is_causal=causal)
+    return run
 
 
 def attention_rows(ts=TS) -> list[Row]:
     import cupy as cp
     from step2_attention import flash, ops
     rows = []
-    sdpa = _torch_sdpa()
+    sdpa = have_sdpa()
     for T in ts:
         q, k, v = (cp.asarray(rand(B, H, T, D, seed=i)) for i in range(3))
         flops = ops.attention_flops(B, H, T, D, causal=True)
         size = f"B{B} H{H} T{T} D{D}"
         tgt = T == TARGET_T
         out = cp.empty_like(q)
-        t_naive = bench(lambda: ops.attention_naive(q, k, v, out=out), name="attention naive (3 kernels)", flops=flops)
-        t_cublas = bench(lambda: ops.attention_cublas(q, k, v), name="attention cuBLAS + softmax", flops=flops)
         t_fused = bench(lambda: flash.flash_attention(q, k, v, out=out), name="flash fp32 v3", flops=flops)
-        rows += [Row.of(t_naive, size), Row.of(t_cublas, size, anchor=("naive", t_naive)),
-                 Row.of(t_fused, size, anchor=("naive", t_naive), target=("ratio", 3.0) if tgt else None)]
-        t_torch32 = t_torch16 = None
+        if tgt:   # the naive sweep itself is benchmarks.py's; one measurement here for the target's ratio
+            t_naive = bench(lambda: ops.attention_naive(q, k, v, out=out), name="attention naive (3 kernels)",
+                            flops=flops)
+            rows.append(Row.of(t_fused, size, anchor=("naive", t_naive), target=("ratio", 3.0)))
+        else:
+            rows.append(Row.of(t_fused, size))
         if sdpa:
-            make, backend, torch = sdpa
-            t_torch32 = bench(make(q, k, v, torch.float32, backend.EFFICIENT_ATTENTION),
-                              name="torch SDPA fp32 (mem-efficient)", flops=flops)
+            t_torch32 = bench(torch_sdpa(q, k, v, "fp32"), name="torch SDPA fp32 (mem-efficient)", flops=flops)
             rows.append(Row.of(t_torch32, size))
             rows.append(Row.of(t_fused, size, anchor=("torch fp32", t_torch32),
                                target=("ratio", 1.0) if tgt else None))
@@ -76,8 +82,7 @@ def attention_rows(ts=TS) -> list[Row]:
             t_tc = bench(lambda: flash.flash_attention_tc(qh, kh, vh, out=oh), name=f"flash tensor cores {dtype}",
                          flops=flops)
             if sdpa:
-                tdt = torch.float16 if dtype == "fp16" else torch.bfloat16
-                t_t = bench(make(q, k, v, tdt, backend.FLASH_ATTENTION), name=f"torch SDPA {dtype} (flash)", flops=flops)
+                t_t = bench(torch_sdpa(q, k, v, dtype), name=f"torch SDPA {dtype} (flash)", flops=flops)
                 rows.append(Row.of(t_t, size))
                 rows.append(Row.of(t_tc, size, anchor=(f"torch {dtype}", t_t),
                                    target=("ratio", 0.5) if tgt and dtype == "bf16" else None))
@@ -99,6 +104,10 @@ def tile_rows(T=TARGET_T) -> list[Row]:
     for t in ({"BR": 64, "BC": 64, "TM": 4}, {"BR": 64, "BC": 32, "TM": 4}, {"BR": 128, "BC": 64, "TM": 4},
               {"BR": 128, "BC": 32, "TM": 8}, {"BR": 32, "BC": 64, "TM": 2}):
         name = f"flash fp32 v3 BR{t['BR']} BC{t['BC']} TM{t['TM']}"
+        if not flash.smem_fits(flash.fp32_smem_bytes(D, t)):
+            print(f"skipping {name}: needs {flash.fp32_smem_bytes(D, t):,} B of shared memory per block, "
+                  f"more than this GPU allows")
+            continue
         rows.append(Row.of(bench(lambda: flash.flash_attention(q, k, v, out=out, tiles=t), name=name, flops=flops),
                            f"T{T}"))
     for v_ in (1, 2):
@@ -110,6 +119,10 @@ def tile_rows(T=TARGET_T) -> list[Row]:
         ob = cp.empty_like(qb)
         for t in ({"WARPS": 4, "BC": 64}, {"WARPS": 8, "BC": 64}, {"WARPS": 4, "BC": 32}, {"WARPS": 8, "BC": 32}):
             name = f"flash tc bf16 WARPS{t['WARPS']} BC{t['BC']}"
+            if not flash.smem_fits(flash.tc_smem_bytes(D, t)):
+                print(f"skipping {name}: needs {flash.tc_smem_bytes(D, t):,} B of shared memory per block, "
+                      f"more than this GPU allows")
+                continue
             rows.append(Row.of(bench(lambda: flash.flash_attention_tc(qb, kb, vb, out=ob, tiles=t), name=name,
                                      flops=flops), f"T{T}"))
     except RuntimeError as e:

@@ -7,13 +7,12 @@ CuPy has no bfloat16 dtype: bf16 tensors travel as uint16 arrays holding the bf1
 """
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, load_module, require_arch, device_info
+from common import expect_array, get_kernel, require_arch, device_info
 
 HERE = Path(__file__).resolve().parent
 VERSIONS = (1, 2, 3)
@@ -24,20 +23,60 @@ LOG2E = 1.4426950408889634
 TILES = {"BR": 64, "BC": 64, "TM": 4}
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(file: str, name: str, **defines):
-    """Cached per process: a lookup here costs nothing between the timing events (load_module re-reads
-    the source to check for edits; restart the kernel after editing a .cu)."""
-    return load_module(HERE / file, defines=defines).get_function(name)
-
-
 def _ptr(a) -> np.uint64:
     return np.uint64(0 if a is None else a.data.ptr)
 
 
-def _fp32_smem(d: int, t: dict) -> int:
+def fp32_smem_bytes(d: int, tiles: dict | None = None) -> int:
+    """Dynamic shared memory of flash_attention.cu v2/v3 per block: Q (BR x D+4), K or P (whichever is
+    larger: BC x D+4 or BR x BC+8) and V (BC x D), floats."""
+    t = tiles or TILES
     kp = max(t["BC"] * (d + 4), t["BR"] * (t["BC"] + 8))
     return (t["BR"] * (d + 4) + kp + t["BC"] * d) * 4
+
+
+def tc_smem_bytes(d: int, tiles: dict | None = None) -> int:
+    """Dynamic shared memory of flash_attention_tc.cu per block: Q (16*WARPS rows) and double-buffered K
+    and V tiles (4 * BC rows), rows of D+8 16-bit values."""
+    t = tiles or TC_TILES
+    return (16 * t["WARPS"] + 4 * t["BC"]) * (d + 8) * 2
+
+
+def smem_fits(nbytes: int) -> bool:
+    """Whether a block may use nbytes of dynamic shared memory on this GPU (the opt-in limit: 48 KB
+    without opting in, 64 KB on a T4, 99 KB on an RTX 30/40, 163 KB on an A100, 227 KB on an H100)."""
+    return nbytes <= device_info()["shared_per_block_optin"]
+
+
+def _check_smem(nbytes: int, tiles: dict, d: int) -> None:
+    if not smem_fits(nbytes):
+        info = device_info()
+        raise ValueError(
+            f"tiles: {tiles} at head dim D={d} need {nbytes:,} B of shared memory per block; this GPU "
+            f"({info['name']}) allows at most {info['shared_per_block_optin']:,} B (sharedMemPerBlockOptin): "
+            f"pass smaller tiles")
+
+
+def _check_grid(heads: int, name: str) -> None:
+    if heads > 65535:
+        raise ValueError(f"{name} = {heads} exceeds the grid's 65535 (gridDim.y); split the batch")
+
+
+def _check_aligned(**arrays) -> None:
+    for name, a in arrays.items():
+        if a.data.ptr % 16:
+            raise ValueError(f"{name}: expected a 16-byte aligned array (16-byte loads), got a view starting "
+                             f"{a.data.ptr % 16} bytes past a 16-byte boundary; pass a copy ({name}.copy())")
+
+
+def fp32_kernel(version: int, d: int, tiles: dict | None = None):
+    """(kernel, threads per block, dynamic shared bytes) of flash_attention.cu's flash_v<version> at head
+    dim d: exactly what flash_attention launches (the notebook reads its resources from it)."""
+    t = tiles or TILES
+    kernel = get_kernel(HERE / "flash_attention.cu", f"flash_v{version}", {"HEAD_DIM": d, **t})
+    if version == 1:
+        return kernel, 128, 0
+    return kernel, (t["BR"] // t["TM"]) * 8, fp32_smem_bytes(d, t)
 
 
 def _scale(scale, d) -> float:
@@ -48,9 +87,11 @@ def _scale(scale, d) -> float:
 
 
 def _launch_fp32(q, k, v, bias, out, B, H, T, d, strides, ostrides, scale, causal, version, tiles=None):
-    import cupy as cp
     if version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    t = tiles or TILES
+    if version != 1:
+        _check_smem(fp32_smem_bytes(d, t), t, d)
     if version == 3 and any(a.data.ptr % 16 for a in (q, k, v, out)):
         version = 2    # float4 loads need 16-byte aligned rows
     bq, bk, bv = bias if bias is not None else (None, None, None)
@@ -58,14 +99,12 @@ def _launch_fp32(q, k, v, bias, out, B, H, T, d, strides, ostrides, scale, causa
     args = (_ptr(q), _ptr(k), _ptr(v), _ptr(bq), _ptr(bk), _ptr(bv), _ptr(out), np.int32(T), np.int32(H),
             *(np.int64(s) for s in strides), *(np.int64(s) for s in ostrides),
             np.float32(scale * LOG2E), np.int32(bool(causal)))
-    t = tiles or TILES
-    kernel = _kernel("flash_attention.cu", f"flash_v{version}", HEAD_DIM=d, **t)
+    kernel, threads, smem = fp32_kernel(version, d, t)
     if version == 1:
-        kernel((-(-T // 4), B * H), (128,), args)
+        kernel((-(-T // 4), B * H), (threads,), args)
     else:
-        smem = _fp32_smem(d, t)
         kernel.max_dynamic_shared_size_bytes = smem
-        kernel((-(-T // t["BR"]), B * H), ((t["BR"] // t["TM"]) * 8,), args, shared_mem=smem)
+        kernel((-(-T // t["BR"]), B * H), (threads,), args, shared_mem=smem)
     return out
 
 
@@ -82,6 +121,7 @@ def flash_attention(q, k, v, causal: bool = True, scale: float | None = None, ou
     out = cp.empty_like(q) if out is None else expect_array(out, "out", dtype=np.float32, shape=q.shape)
     if q.size == 0:
         return out
+    _check_grid(B * H, "q: B*H")
     st = (H * T * d, T * d, d)
     return _launch_fp32(q, k, v, None, out, B, H, T, d, st, st, _scale(scale, d), causal, version, tiles)
 
@@ -108,6 +148,7 @@ def flash_attention_qkv(qkv, n_head: int, causal: bool = True, bias=None, out=No
         expect_array(out, "out", dtype=np.float32, shape=(B, T, C))
     if qkv.size == 0:
         return out
+    _check_grid(B * n_head, "qkv: B*n_head")
     biases = None if bias is None else (bias, bias[C:], bias[2 * C:])
     if version == 3 and bias is not None and any(b.data.ptr % 16 for b in biases):
         version = 2
@@ -136,6 +177,16 @@ def bf16_to_float32(x):
 
 
 TC_TILES = {"WARPS": 4, "BC": 64}   # flash_attention_tc.cu: 16*WARPS query rows per block, BC keys per tile
+
+
+def tc_kernel(bf16: bool, d: int, tiles: dict | None = None):
+    """(kernel, threads per block, dynamic shared bytes) of flash_attention_tc.cu at head dim d: what
+    flash_attention_tc launches. Raises ValueError when the tiles need more shared memory than the GPU has."""
+    t = tiles or TC_TILES
+    smem = tc_smem_bytes(d, t)
+    _check_smem(smem, t, d)
+    name = "flash_tc_bf16" if bf16 else "flash_tc_fp16"
+    return get_kernel(HERE / "flash_attention_tc.cu", name, {"HEAD_DIM": d, **t}), 32 * t["WARPS"], smem
 
 
 def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None, out=None, tiles: dict | None = None,
@@ -171,12 +222,12 @@ def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None,
         return out
     if q.size == 0:
         return out
+    _check_grid(B * H, "q: B*H")
+    _check_aligned(q=q, k=k, v=v, out=out)   # cp.async / uint4 copies: a misaligned view would fault
     t = tiles or TC_TILES
-    warps, bc = t["WARPS"], t["BC"]
-    smem = (16 * warps + 4 * bc) * (d + 8) * 2
-    kernel = _kernel("flash_attention_tc.cu", "flash_tc_bf16" if bf16 else "flash_tc_fp16", HEAD_DIM=d, **t)
+    kernel, threads, smem = tc_kernel(bf16, d, t)
     kernel.max_dynamic_shared_size_bytes = smem
-    kernel((-(-T // (16 * warps)), B * H), (32 * warps,),
+    kernel((-(-T // (16 * t["WARPS"])), B * H), (threads,),
            (q, k, v, out, np.int32(T), np.float32(_scale(scale, d) * LOG2E), np.int32(bool(causal))),
            shared_mem=smem)
     return out
@@ -212,8 +263,7 @@ def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None
     out = cp.empty_like(q) if out is None else expect_array(out, "out", dtype=np.float32, shape=q.shape)
     if version not in (1, 2):
         raise ValueError(f"version: expected 1 or 2, got {version!r}")
-    if any(a.data.ptr % 16 for a in (q, k_cache, v_cache)):
-        raise ValueError("q, k_cache, v_cache: expected 16-byte aligned arrays (float4 loads)")
+    _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)   # float4 loads
     if Lmax == 0:
         raise ValueError(f"k_cache: expected at least one cache row, got shape {k_cache.shape}")
     if q.size == 0:
@@ -225,7 +275,8 @@ def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None
     partial = _workspaces[key] if n_split > 1 else None
     args = (q, k_cache, v_cache, lengths, out, _ptr(partial), np.int32(H), np.int32(Lmax), np.int32(chunk),
             np.float32(_scale(scale, d) * LOG2E))
-    _kernel("decode_attention.cu", "decode_split", HEAD_DIM=d)((B * H, n_split), (128,), args)
+    get_kernel(HERE / "decode_attention.cu", "decode_split", {"HEAD_DIM": d})((B * H, n_split), (128,), args)
     if n_split > 1:
-        _kernel("decode_attention.cu", "decode_combine", HEAD_DIM=d)((B * H,), (d,), (partial, out, np.int32(n_split)))
+        get_kernel(HERE / "decode_attention.cu", "decode_combine", {"HEAD_DIM": d})(
+            (B * H,), (d,), (partial, out, np.int32(n_split)))
     return out

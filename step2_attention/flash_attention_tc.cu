@@ -17,8 +17,10 @@
 //
 // Architectures: mma.sync m16n8k16 with fp16 or bf16 inputs needs sm_80. fp16 also runs on sm_75 (T4):
 // there one m16n8k16 is issued as two m16n8k8 (same fragments, split in k) and the cp.async copies
-// become plain loads. sm_70 (V100) has neither ldmatrix nor these mma shapes: the kernels trap there
-// and the Python side refuses with a message. bf16 is compiled only for sm_80+ (#if __CUDA_ARCH__).
+// become plain loads. sm_70 (V100) has neither ldmatrix nor these mma shapes: the kernels trap there,
+// so flash.py never launches them on sm_70: fp16 inputs run through the fp32 flash kernel instead (upcast,
+// no tensor cores, with a warning). bf16 needs sm_80: compiled only for sm_80+ (#if __CUDA_ARCH__), and
+// flash.py refuses older GPUs with a message.
 //
 // Layout: q, k, v, o are (B, H, T, D) contiguous, dtype fp16 or bf16 (bf16 bit patterns as uint16).
 // Compile-time knobs: HEAD_DIM (32, 64 or 128; default 64), WARPS (4: 64 query rows per block),
@@ -255,13 +257,14 @@ __device__ __forceinline__ void flash_tc(const u16* __restrict__ q, const u16* _
 }
 #endif
 
-// Dynamic shared memory: (BRT + 4 * BC) * SROW * 2 bytes (46 KB at the defaults); flash.py computes it.
+// Dynamic shared memory: (BRT + 4 * BC) * SROW * 2 bytes (46 KB at the defaults, 87 KB at HEAD_DIM 128:
+// more than a T4's 64 KB); flash.tc_smem_bytes computes it and the wrapper refuses tiles that don't fit.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 flash_tc_fp16(const u16* q, const u16* k, const u16* v, u16* o, int T, float scale_log2, int causal) {
 #if __CUDA_ARCH__ >= 750
     flash_tc<false>(q, k, v, o, T, scale_log2, causal);
 #else
-    __trap();   // needs ldmatrix and mma.sync m16n8k8 (sm_75+); flash.py refuses before launching
+    __trap();   // needs ldmatrix and mma.sync m16n8k8 (sm_75+); on sm_70 flash.py uses the fp32 kernel instead
 #endif
 }
 

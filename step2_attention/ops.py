@@ -26,6 +26,28 @@ MATMUL_V3 = {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8}
 ATTN_TILE = 32
 
 
+# fp32 FMA lanes per SM by compute capability (V100, Xavier, T4 and A100 have 64; sm_61 and sm_86+ have 128)
+FP32_LANES_PER_SM = {60: 64, 70: 64, 72: 64, 75: 64, 80: 64}
+
+
+def fp32_peak_tflops() -> float | None:
+    """fp32 FMA peak of the current device at its reported boost clock: SMs x fp32 lanes per SM x 2 FLOPs
+    x clock, in TFLOP/s (a ceiling to compare kernels with, from the device's own attributes). None when
+    the driver reports no clock."""
+    import cupy as cp
+    rt = cp.cuda.runtime
+    dev = cp.cuda.Device()
+    try:
+        clock_khz = rt.deviceGetAttribute(rt.cudaDevAttrClockRate, dev.id)
+        sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev.id)
+    except rt.CUDARuntimeError:
+        return None
+    if not clock_khz:
+        return None
+    lanes = FP32_LANES_PER_SM.get(int(dev.compute_capability), 128)
+    return 2.0 * sms * lanes * clock_khz * 1e3 / 1e12
+
+
 def _out(out, shape, name="out"):
     import cupy as cp
     if out is None:

@@ -26,6 +26,22 @@ def need_arch(sm, what):
         pytest.skip(str(e))
 
 
+def need_smem(nbytes, what):
+    from common import device_info
+    if not flash.smem_fits(nbytes):
+        pytest.skip(f"{what} needs {nbytes:,} B of shared memory per block; this GPU allows "
+                    f"{device_info()['shared_per_block_optin']:,} B")
+
+
+def misaligned(x):
+    """The same values in a view that starts 2 elements past a 16-byte boundary (fp32: 8 bytes, fp16: 4)."""
+    base = cp.empty(x.size + 2, x.dtype)
+    view = base[2:].reshape(x.shape)
+    view[...] = x
+    assert view.data.ptr % 16 != 0
+    return view
+
+
 def check_fp32(version, T, causal, D, B=1, H=3, scale=None):
     q, k, v = qkv_tensors(B, H, T, D, seed=T + D + version)
     out = poison(cp.empty_like(q))
@@ -58,11 +74,32 @@ def test_flash_fp32_custom_scale_and_batch():
 @pytest.mark.parametrize("tiles", [{"BR": 64, "BC": 32, "TM": 4}, {"BR": 128, "BC": 64, "TM": 4},
                                    {"BR": 32, "BC": 64, "TM": 2}])
 def test_flash_fp32_other_tile_sizes(tiles):
+    need_smem(flash.fp32_smem_bytes(64, tiles), f"tiles {tiles}")
     q, k, v = qkv_tensors(1, 3, 300, 64, seed=3)
     for causal in (True, False):
         out = poison(cp.empty_like(q))
         flash.flash_attention(q, k, v, causal=causal, out=out, tiles=tiles)
         assert_close(out, R.attention(q, k, v, causal=causal), rtol=1e-5, name=str(tiles))
+
+
+def test_flash_fp32_tiles_too_large_for_shared_memory_are_refused():
+    q, k, v = qkv_tensors(1, 1, 16, 64, seed=3)
+    huge = {"BR": 256, "BC": 128, "TM": 8}        # 241,664 B: more than any GPU's per-block limit
+    assert not flash.smem_fits(flash.fp32_smem_bytes(64, huge))
+    with pytest.raises(ValueError, match=r"tiles: .*D=64 need 241,664 B of shared memory"):
+        flash.flash_attention(q, k, v, tiles=huge)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_fp32_misaligned_views_fall_back_to_v2(causal):
+    """float4 loads need 16-byte aligned rows: v3 on a misaligned q, k, v or out runs v2 instead."""
+    q, k, v = qkv_tensors(2, 3, 77, 64, seed=21)
+    want = R.attention(q, k, v, causal=causal)
+    for which in range(4):
+        args = [misaligned(x) if i == which else x for i, x in enumerate((q, k, v))]
+        out = poison(misaligned(cp.empty_like(q)) if which == 3 else cp.empty_like(q))
+        flash.flash_attention(*args, causal=causal, out=out, version=3)
+        assert_close(out, want, rtol=1e-5, name=f"misaligned argument {which}")
 
 
 def qkv_reference(qkv, n_head, causal, bias):
@@ -98,6 +135,29 @@ def test_flash_qkv_small_all_versions(version):
     assert_close(out, qkv_reference(qkv, n_head, True, bias), rtol=1e-5)
 
 
+@pytest.mark.parametrize("misaligned_bias", [False, True])
+def test_flash_qkv_misaligned_buffer_falls_back_to_v2(misaligned_bias):
+    B, T, n_head, D = 2, 70, 3, 64
+    C = n_head * D
+    qkv = misaligned(cp.asarray(rand(B, T, 3 * C, seed=31)))
+    bias = cp.asarray(rand(3 * C, seed=32))
+    if misaligned_bias:
+        bias = misaligned(bias)
+    out = poison(cp.empty((B, T, C), cp.float32))
+    flash.flash_attention_qkv(qkv, n_head, bias=bias, out=out, version=3)
+    assert_close(out, qkv_reference(qkv, n_head, True, bias), rtol=1e-5, name="misaligned qkv")
+
+
+def test_flash_qkv_aligned_buffer_with_misaligned_bias_falls_back_to_v2():
+    B, T, n_head, D = 1, 40, 2, 32
+    C = n_head * D
+    qkv = cp.asarray(rand(B, T, 3 * C, seed=33))
+    bias = misaligned(cp.asarray(rand(3 * C, seed=34)))
+    out = poison(cp.empty((B, T, C), cp.float32))
+    flash.flash_attention_qkv(qkv, n_head, bias=bias, out=out, version=3)
+    assert_close(out, qkv_reference(qkv, n_head, True, bias), rtol=1e-5, name="misaligned bias")
+
+
 # ------------------------------------------------------------------------------------- tensor cores
 def tc_inputs(B, H, T, D, dtype, seed):
     q, k, v = qkv_tensors(B, H, T, D, seed)
@@ -129,13 +189,61 @@ def test_flash_tc_small(dtype, T):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("T", TS)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("D", [32, 64, 128])
 def test_flash_tc(dtype, T, causal, D):
+    need_smem(flash.tc_smem_bytes(D), f"tensor-core attention at D={D} with the default tiles {flash.TC_TILES}")
     (q, k, v), ref_in = tc_inputs(1, 3, T, D, dtype, seed=T + D)
     out = poison(cp.empty_like(q)) if dtype == "fp16" else cp.full(q.shape, 0x7FC0, cp.uint16)
     flash.flash_attention_tc(q, k, v, causal=causal, out=out)
     assert_close(as_float(out), R.attention(*ref_in, causal=causal), rtol=1e-2,
                  name=f"flash_tc {dtype} T={T} D={D} causal={causal}")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("tiles", [{"WARPS": 4, "BC": 32}, {"WARPS": 2, "BC": 64}], ids=str)
+def test_flash_tc_d128_small_tiles(dtype, tiles):
+    """D=128 with tiles that fit a T4's 64 KB of shared memory (the defaults need 87 KB)."""
+    need_smem(flash.tc_smem_bytes(128, tiles), f"tiles {tiles} at D=128")
+    (q, k, v), ref_in = tc_inputs(2, 3, 200, 128, dtype, seed=5)
+    for causal in (True, False):
+        out = poison(cp.empty_like(q)) if dtype == "fp16" else cp.full(q.shape, 0x7FC0, cp.uint16)
+        flash.flash_attention_tc(q, k, v, causal=causal, out=out, tiles=tiles)
+        assert_close(as_float(out), R.attention(*ref_in, causal=causal), rtol=1e-2,
+                     name=f"flash_tc {dtype} D=128 {tiles} causal={causal}")
+
+
+def test_flash_tc_tiles_too_large_for_shared_memory_are_refused():
+    (q, k, v), _ = tc_inputs(1, 1, 16, 128, "fp16", seed=1)
+    huge = {"WARPS": 16, "BC": 256}               # 348,160 B: more than any GPU's per-block limit
+    assert not flash.smem_fits(flash.tc_smem_bytes(128, huge))
+    with pytest.raises(ValueError, match=r"tiles: .*D=128 need 348,160 B of shared memory"):
+        flash.flash_attention_tc(q, k, v, tiles=huge)
+
+
+def test_flash_tc_misaligned_views_are_refused():
+    """cp.async / 16-byte copies of a misaligned view would fault (a sticky error): the wrapper refuses."""
+    (q, k, v), _ = tc_inputs(1, 2, 33, 64, "fp16", seed=2)
+    for i, name in enumerate("qkv"):
+        args = [misaligned(x) if j == i else x for j, x in enumerate((q, k, v))]
+        with pytest.raises(ValueError, match=f"{name}: expected a 16-byte aligned array"):
+            flash.flash_attention_tc(*args)
+    with pytest.raises(ValueError, match="out: expected a 16-byte aligned array"):
+        flash.flash_attention_tc(q, k, v, out=misaligned(cp.empty_like(q)))
+    out = poison(cp.empty_like(q))        # the context is still usable: a normal call works afterwards
+    flash.flash_attention_tc(q, k, v, out=out)
+    assert not bool(cp.isnan(out.astype(cp.float32)).any())
+
+
+def test_too_many_heads_for_the_grid_are_refused():
+    q = cp.asarray(rand(65536, 1, 1, 32, seed=1))
+    with pytest.raises(ValueError, match=r"q: B\*H = 65536 exceeds the grid's 65535"):
+        flash.flash_attention(q, q, q)
+    qkv = cp.asarray(rand(65536, 1, 3 * 32, seed=2))
+    with pytest.raises(ValueError, match=r"qkv: B\*n_head = 65536 exceeds the grid's 65535"):
+        flash.flash_attention_qkv(qkv, 1)
+    need_arch(75, "fp16 tensor-core attention")
+    with pytest.raises(ValueError, match=r"q: B\*H = 65536 exceeds the grid's 65535"):
+        flash.flash_attention_tc(*(q.astype(cp.float16),) * 3)
 
 
 @pytest.mark.parametrize("T", [7, 65])
@@ -174,7 +282,7 @@ def test_decode_small(version, Lmax, lengths):
 
 
 @pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("B, H, Lmax", [(1, 3, 1024), (5, 3, 2049)])
 def test_decode(version, D, B, H, Lmax):
     q, kc, vc = decode_inputs(B, H, Lmax, D, seed=B + D)

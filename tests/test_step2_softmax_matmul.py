@@ -164,9 +164,11 @@ def test_matmul_v3_vector_and_scalar_paths_agree():
 
 
 @gpu
-def test_matmul_k_zero_gives_zeros():
-    c = ops.matmul(cp.empty((5, 0), cp.float32), cp.empty((0, 3), cp.float32))
-    assert c.shape == (5, 3) and (c == 0).all()
+@pytest.mark.parametrize("version", ops.MATMUL_VERSIONS)
+def test_matmul_k_zero_gives_zeros(version):
+    c = poison(cp.empty((5, 3), cp.float32))
+    ops.matmul(cp.empty((5, 0), cp.float32), cp.empty((0, 3), cp.float32), version=version, out=c)
+    assert c.shape == (5, 3) and bool((c == 0).all())
 
 
 # --------------------------------------------------------------------------------------------- attention
@@ -202,9 +204,12 @@ def test_attention(impl, shape, causal):
 def test_attention_small_and_uneven_lengths(impl, tq, tk, causal):
     """Tq != Tk: query i sees keys up to i + (Tk - Tq); with Tq > Tk the first rows see nothing (zeros)."""
     q, k, v = _qkv(1, 3, tq, 32, seed=tq * 100 + tk, Tk=tk)
-    fn = ops.attention_naive if impl == "naive" else ops.attention_cublas
     scale = 0.2
-    o = fn(q, k, v, causal=causal, scale=scale)
+    if impl == "naive":    # poisoned: the fully masked rows (tq > tk) must be written as zeros
+        o = poison(cp.empty_like(q))
+        ops.attention_naive(q, k, v, causal=causal, scale=scale, out=o)
+    else:                  # returns a fresh array from cupy.matmul (no out= to poison)
+        o = ops.attention_cublas(q, k, v, causal=causal, scale=scale)
     assert_close(o, R.attention(q, k, v, causal=causal, scale=scale), rtol=1e-5)
 
 
