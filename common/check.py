@@ -53,8 +53,10 @@ def assert_close(out, ref, rtol: float = 1e-6, atol: float | None = None, name: 
 
 
 def poison(a):
-    """Fill a (CuPy or NumPy) output buffer with NaN (or -1 for integers) so an unwritten element shows."""
-    a.fill(np.nan if np.dtype(a.dtype).kind == "f" or "float" in str(a.dtype) else -1)
+    """Fill a (CuPy or NumPy) output buffer so an unwritten element shows: NaN for floats, -1 for signed
+    integers, all ones for unsigned ones (0xFFFF is also a NaN when a uint16 buffer holds bf16 bits)."""
+    kind = np.dtype(a.dtype).kind
+    a.fill(np.nan if kind == "f" else np.iinfo(a.dtype).max if kind == "u" else -1)
     return a
 
 

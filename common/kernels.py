@@ -234,7 +234,7 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
                          f"sm_{', sm_'.join(map(str, supported_archs()))}, not sm_{arch}")
     path = resolve(path)
     code = _source(path).encode()
-    opts = [f"--gpu-architecture=sm_{arch}", *BASE_OPTIONS, "-Xptxas=-v",
+    opts = [f"--gpu-architecture=sm_{arch}", *BASE_OPTIONS, "--ptxas-options=-v",
             *(f"-I{d}" for d in _include_dirs(path)), f"-I{_runtime_include()}",
             *_define_options(defines), *options]
     err, prog = nvrtc.nvrtcCreateProgram(code, _display_name(path).encode(), 0, [], [])
@@ -242,9 +242,12 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
     try:
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.decode(errors="replace").rstrip("\x00 \n")
+        # A fresh, mutable buffer: NVRTC writes into it. (Never `b" " * size`: for size 1 CPython returns
+        # its shared one-byte object, and NVRTC's NUL would then corrupt every b" " in the process.)
+        buf = bytearray(max(size, 1))
+        if size > 1:
+            nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = bytes(buf).decode(errors="replace").rstrip("\x00 \n")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -258,6 +261,9 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
     for m in _PTXAS_FUNC.finditer(log):
         k = report.kernels.setdefault(m[1], KernelResources(m[1]))
         k.stack_bytes, k.spill_stores, k.spill_loads = int(m[2]), int(m[3]), int(m[4])
+    if "__global__" in code.decode() and not report.kernels:
+        raise RuntimeError(f"NVRTC {'.'.join(map(str, nvrtc.nvrtcVersion()[1:]))} compiled {_display_name(path)} "
+                           f"for sm_{arch} but gave no ptxas resource report; its log was: {log!r}")
     return report
 
 

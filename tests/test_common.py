@@ -82,3 +82,19 @@ def test_benchmark_runner_import_does_not_shadow_bench():
     import common.benchmarks  # noqa: F401  (the runner module)
     from common import bench as b
     assert callable(b) and b is common.timing.bench
+
+
+def test_poison_every_dtype():
+    assert np.isnan(poison(np.empty(3, np.float16))).all()
+    assert (poison(np.empty(3, np.int32)) == -1).all()
+    bits = poison(np.empty(3, np.uint16))
+    assert (bits == 0xFFFF).all()
+    as_f32 = (bits.astype(np.uint32) << 16).view(np.float32)      # bf16 bits -> float32
+    assert np.isnan(as_f32).all()
+
+
+def test_offline_compile_leaves_the_interpreter_intact():
+    """Regression: an empty NVRTC log once overwrote CPython's shared b' ' object."""
+    from common import compile_offline
+    compile_offline("step1_simple/zoo.cu", 80)
+    assert b" " == bytes([32]) and b" ".decode() == " "
