@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,10 +233,10 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
         raise ValueError(f"arch: this NVRTC ({'.'.join(map(str, nvrtc.nvrtcVersion()[1:]))}) compiles for "
                          f"sm_{', sm_'.join(map(str, supported_archs()))}, not sm_{arch}")
     path = resolve(path)
-    # NVRTC 13 caches compilations and then skips ptxas, which prints the resource report: a unique
-    # comment makes every offline compile a new program.
-    code = (_source(path) + f"// report {uuid.uuid4().hex}\n").encode()
-    opts = [f"--gpu-architecture=sm_{arch}", *BASE_OPTIONS, "--ptxas-options=-v",
+    code = _source(path).encode()
+    # NVRTC >= 12.9 caches compilations, and a cache hit skips ptxas and so prints no resource report.
+    no_cache = ["--no-cache"] if tuple(nvrtc.nvrtcVersion()[1:]) >= (12, 9) else []
+    opts = [f"--gpu-architecture=sm_{arch}", *BASE_OPTIONS, "--ptxas-options=-v", *no_cache,
             *(f"-I{d}" for d in _include_dirs(path)), f"-I{_runtime_include()}",
             *_define_options(defines), *options]
     err, prog = nvrtc.nvrtcCreateProgram(code, _display_name(path).encode(), 0, [], [])
