@@ -135,8 +135,8 @@ def _with(obj, **attrs):
     return cm()
 
 
-def replay_ms(model, B: int, ctx: int, plan: str, version: int):
-    """Timing of one greedy decode step (B sequences, ctx cached rows) replayed from a CUDA graph."""
+def filled_state(model, B: int, ctx: int):
+    """A decode state whose caches already hold ctx random rows per sequence (the step's input state)."""
     import cupy as cp
     from step4_gpt2.model import DecodeState
     s = DecodeState(model.config, B, ctx + 1)
@@ -144,6 +144,13 @@ def replay_ms(model, B: int, ctx: int, plan: str, version: int):
         a[...] = cp.random.default_rng(0).standard_normal(a.shape, dtype=cp.float32) * 0.1
     s.pos[...] = ctx
     s.lens[...] = ctx + 1
+    return s
+
+
+def replay_ms(model, B: int, ctx: int, plan: str, version: int):
+    """Timing of one greedy decode step (B sequences, ctx cached rows) replayed from a CUDA graph."""
+    import cupy as cp
+    s = filled_state(model, B, ctx)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         model.decode_step(s, attention_version=version, plan=plan)        # compile, allocate workspaces
@@ -220,13 +227,9 @@ def step_breakdown(model, ctx: int = 128, B: int = 1):
     """{op: (eager ms per step, in-graph ms per step)}, eager step ms, graph step ms."""
     import cupy as cp
     from step2_attention.flash import decode_attention
-    from step4_gpt2.model import DecodeState, embedding, gemv, gemv_qkv
+    from step4_gpt2.model import embedding, gemv, gemv_qkv
     cfg = model.config
-    s = DecodeState(cfg, B, ctx + 1)
-    for a in s.cache.k + s.cache.v:
-        a[...] = cp.random.default_rng(0).standard_normal(a.shape, dtype=cp.float32) * 0.1
-    s.pos[...] = ctx
-    s.lens[...] = ctx + 1
+    s = filled_state(model, B, ctx)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         model.decode_step(s)

@@ -168,6 +168,30 @@ extern "C" __global__ void gemv_v2(const float* __restrict__ x, const float* __r
 // v3 epilogues: what happens to sum_k x[b,k] W[n,k] for output n of batch row b.
 enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_GELU = 2, EPI_QKV = 3, EPI_RESID = 4 };
 
+// The epilogue every fused GEMV version (v3..v5) ends with, once the sum s for output n of batch row b
+// is known. EPI_QKV: n < C is q (written to y as (B, H, D)); C <= n < 2C is k and 2C <= n < 3C is v,
+// written into the caches (B, H, L, D) at row pos[b], read on the device. EPI_RESID: y += s (in place).
+template <int EPI>
+__device__ __forceinline__ void gemv_store(float s, int b, int n, int N, const float* bias, float* y,
+                                           float* k_cache, float* v_cache, const int* pos, int H, int L) {
+    if (EPI != EPI_NONE) s += bias[n];
+    if (EPI == EPI_BIAS_GELU) s = gelu_tanh(s);
+    if (EPI == EPI_QKV) {
+        const int C = N / 3, D = C / H;
+        const int part = n / C, c = n - part * C, h = c / D, d = c - h * D;
+        if (part == 0) {
+            y[(long long)b * C + c] = s;
+        } else {
+            float* cache = part == 1 ? k_cache : v_cache;
+            cache[(((long long)b * H + h) * L + pos[b]) * D + d] = s;
+        }
+    } else if (EPI == EPI_RESID) {
+        y[(long long)b * N + n] += s;
+    } else {
+        y[(long long)b * N + n] = s;
+    }
+}
+
 // v3: ROWS output rows per warp, so each lane has ROWS independent 16-byte weight loads in flight per
 // step, and the epilogue fused. EPI_QKV: n < C is q (written to y as (B, H, D)); C <= n < 2C is k and
 // 2C <= n < 3C is v, written into the caches (B, H, L, D) at row pos[b], read on the device.
@@ -205,28 +229,14 @@ __device__ __forceinline__ void gemv_v3_body(const float* __restrict__ x, const 
             }
         }
     }
-    const int C = N / 3, D = C / (H > 0 ? H : 1);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int n = n0 + r;
 #pragma unroll
         for (int b = 0; b < MAXB; ++b) {
             if (b >= B) continue;
-            float s = warp_sum(acc[r][b]);
-            if (lane != 0 || n >= N) continue;
-            if (EPI != EPI_NONE) s += bias[n];
-            if (EPI == EPI_BIAS_GELU) s = gelu_tanh(s);
-            if (EPI == EPI_QKV) {
-                const int part = n / C, c = n - part * C, h = c / D, d = c - h * D;
-                if (part == 0) {
-                    y[(long long)b * C + c] = s;
-                } else {
-                    float* cache = part == 1 ? k_cache : v_cache;
-                    cache[(((long long)b * H + h) * L + pos[b]) * D + d] = s;
-                }
-            } else {
-                y[(long long)b * N + n] = s;
-            }
+            const float s = warp_sum(acc[r][b]);
+            if (lane == 0 && n < N) gemv_store<EPI>(s, b, n, N, bias, y, k_cache, v_cache, pos, H, L);
         }
     }
 }
@@ -299,20 +309,7 @@ __device__ __forceinline__ void gemv_v4_body(const float* __restrict__ x, const 
     float s = 0.0f;
 #pragma unroll
     for (int w = 0; w < V4_WARPS; ++w) s += red[w][r][b];
-    if (EPI != EPI_NONE) s += bias[n];
-    if (EPI == EPI_BIAS_GELU) s = gelu_tanh(s);
-    if (EPI == EPI_QKV) {
-        const int C = N / 3, D = C / H;
-        const int part = n / C, c = n - part * C, h = c / D, d = c - h * D;
-        if (part == 0) {
-            y[(long long)b * C + c] = s;
-        } else {
-            float* cache = part == 1 ? k_cache : v_cache;
-            cache[(((long long)b * H + h) * L + pos[b]) * D + d] = s;
-        }
-    } else {
-        y[(long long)b * N + n] = s;
-    }
+    gemv_store<EPI>(s, b, n, N, bias, y, k_cache, v_cache, pos, H, L);
 }
 
 extern "C" __global__ void gemv_v4(const float* x, const float* W, float* y, int B, int N, int K) {
@@ -434,22 +431,7 @@ __device__ __forceinline__ void gemv_v5_body(const float* __restrict__ x, const 
             if (b < B && n < N) {
                 float s = 0.0f;
                 for (int v = 0; v < nwarps; ++v) s += rd[v][r][b];
-                if (EPI != EPI_NONE) s += bias[n];
-                if (EPI == EPI_BIAS_GELU) s = gelu_tanh(s);
-                if (EPI == EPI_QKV) {
-                    const int C = N / 3, D = C / H;
-                    const int part = n / C, c = n - part * C, h = c / D, d = c - h * D;
-                    if (part == 0) {
-                        y[(long long)b * C + c] = s;
-                    } else {
-                        float* cache = part == 1 ? k_cache : v_cache;
-                        cache[(((long long)b * H + h) * L + pos[b]) * D + d] = s;
-                    }
-                } else if (EPI == EPI_RESID) {
-                    y[(long long)b * N + n] += s;
-                } else {
-                    y[(long long)b * N + n] = s;
-                }
+                gemv_store<EPI>(s, b, n, N, bias, y, k_cache, v_cache, pos, H, L);
             }
         }
     }
