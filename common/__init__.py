@@ -5,7 +5,7 @@ Everything a notebook needs is importable from here:
     from common import load_module, bench, assert_close, poison, reference
 """
 from common.device import gpu_available, device_info, require_gpu, require_arch, skip_reason, torch_cuda
-from common.kernels import (load_module, get_kernel, occupancy, compile_offline, kernel_source,
+from common.kernels import (load_module, get_kernel, occupancy, allow_dynamic_smem, compile_offline, kernel_source,
                             KernelCompileError, ARCHS)
 from common.check import (assert_close, errors, poison, rand, expect_array, launch_grid)
 from common.timing import bench, Timing, copy_bandwidth
@@ -13,7 +13,7 @@ from common import reference
 
 __all__ = [
     "gpu_available", "device_info", "require_gpu", "require_arch", "skip_reason", "torch_cuda",
-    "load_module", "get_kernel", "occupancy", "compile_offline", "kernel_source", "KernelCompileError", "ARCHS",
+    "load_module", "get_kernel", "occupancy", "allow_dynamic_smem", "compile_offline", "kernel_source", "KernelCompileError", "ARCHS",
     "assert_close", "errors", "poison", "rand", "expect_array", "launch_grid",
     "bench", "Timing", "copy_bandwidth", "reference",
 ]

@@ -56,6 +56,7 @@ def device_info() -> dict:
         "shared_per_sm": props["sharedMemPerMultiprocessor"],
         "registers_per_sm": props["regsPerMultiprocessor"],
         "max_threads_per_sm": props["maxThreadsPerMultiProcessor"],
+        "max_blocks_per_sm": props.get("maxBlocksPerMultiProcessor", 16),   # 16 on sm_75/86, 24 on sm_89, 32 else
         "driver_version": cp.cuda.runtime.driverGetVersion(),
         "runtime_version": cp.cuda.runtime.runtimeGetVersion(),
         "cupy_version": cp.__version__,

@@ -165,11 +165,25 @@ def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
     by_threads = d["max_threads_per_sm"] // (warps * 32)
     smem = kernel.shared_size_bytes + dynamic_smem
     by_smem = d["shared_per_sm"] // (smem + 1024) if smem else 10 ** 9
-    blocks = min(by_regs, by_threads, by_smem, 32)
-    limiter = min((by_regs, "registers"), (by_threads, "threads"), (by_smem, "shared memory"))[1]
+    blocks = min(by_regs, by_threads, by_smem, d["max_blocks_per_sm"])
+    limiter = min((by_regs, "registers"), (by_threads, "threads"), (by_smem, "shared memory"),
+                  (d["max_blocks_per_sm"], "blocks per SM"))[1]
     return {"registers": regs, "local_bytes": kernel.local_size_bytes, "blocks_per_sm": blocks,
             "warps_per_sm": blocks * warps, "occupancy": blocks * warps * 32 / d["max_threads_per_sm"],
             "limited_by": limiter}
+
+
+def allow_dynamic_smem(kernel, nbytes: int, what: str) -> None:
+    """Let `kernel` launch with nbytes of dynamic shared memory: above 48 KB a kernel must opt in
+    (`max_dynamic_shared_size_bytes`), and past the GPU's opt-in limit (64 KB on a T4, 99 KB on an RTX 30/40,
+    227 KB on an H100) this raises a ValueError that starts with `what` (the argument or choice responsible)."""
+    from common.device import device_info
+    d = device_info()
+    if nbytes > d["shared_per_block_optin"]:
+        raise ValueError(f"{what} need {nbytes:,} B of shared memory per block; this GPU ({d['name']}) allows "
+                         f"at most {d['shared_per_block_optin']:,} B")
+    if nbytes > 48 << 10:
+        kernel.max_dynamic_shared_size_bytes = nbytes
 
 
 @dataclass

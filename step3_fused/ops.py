@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, launch_grid, get_kernel, device_info
+from common import expect_array, launch_grid, get_kernel, device_info, allow_dynamic_smem
 from common import occupancy  # noqa: F401  (ops.occupancy: re-exported for the notebooks)
 
 HERE = Path(__file__).resolve().parent
@@ -449,14 +449,10 @@ def ln_linear_overfused(x, ln_w, ln_b, w, bias, eps: float = 1e-5, rows: int = 8
     y = _out(out, "out", (N, M))
     rows, cols = _positive_int(rows, "rows"), _positive_int(cols, "cols")
     smem = overfused_smem(rows, C)
-    limit = device_info()["shared_per_block_optin"]
-    if smem > limit:
-        raise ValueError(f"rows: {rows} rows of C={C} floats need {smem} B of shared memory, this GPU allows {limit}")
+    k = overfused_kernel(rows, cols)
+    allow_dynamic_smem(k, smem, f"rows: {rows} rows of C={C} floats")
     if N == 0 or M == 0:
         return y
-    k = overfused_kernel(rows, cols)
-    if smem > 48 * 1024:
-        k.max_dynamic_shared_size_bytes = smem
     grid = (-(-N // rows), -(-M // (OVERFUSE_THREADS * cols)))
     k(grid, (OVERFUSE_THREADS,), (x, ln_w, ln_b, w, bias, y, np.int32(N), np.int32(C), np.int32(M), np.float32(eps)),
       shared_mem=smem)

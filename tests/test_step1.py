@@ -183,3 +183,14 @@ def test_get_kernel_is_cached_and_occupancy_reports_a_limit():
     occ = occupancy(k1, 256)
     assert 1 <= occ["blocks_per_sm"] <= 32 and 0 < occ["occupancy"] <= 1
     assert occ["limited_by"] in ("registers", "threads", "shared memory")
+
+
+def test_allow_dynamic_smem_opts_in_and_names_the_cause():
+    from common import allow_dynamic_smem, device_info
+    from common import get_kernel
+    k = get_kernel(ops.HERE / "reduce.cu", "sum_v1", {"BLOCK": 256})
+    limit = device_info()["shared_per_block_optin"]
+    allow_dynamic_smem(k, 1024, "tiny")                  # below 48 KB: nothing to do
+    allow_dynamic_smem(k, min(limit, 60 << 10), "ok")     # opts in
+    with pytest.raises(ValueError, match=r"tiles: 3x3 need .* B of shared memory per block"):
+        allow_dynamic_smem(k, limit + 1, "tiles: 3x3")
