@@ -26,7 +26,10 @@ from common.reference import mlp as ref
 
 HERE = Path(__file__).resolve().parent
 FWD, BWD, UPD = HERE / "train_forward.cu", HERE / "train_backward.cu", HERE / "train_update.cu"
-STRIP = 32 * 8                  # threads of the column-strip kernels (COLS * ROWS in train_backward.cu)
+# Compile-time knobs, passed to the .cu files as defines (their #ifndef defaults are the same values) so
+# the launch configurations below and the kernels agree by construction.
+COLS, ROWS = 32, 8              # train_backward.cu column strips: 32 columns (one warp) x 8 warps per block
+CHUNK = 4096                    # train_update.cu multi-tensor kernels: elements per block
 UNK = "<unk>"
 
 # ============================================================================ data
@@ -136,6 +139,14 @@ def windows(ids: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ============================================================================ GPU wrappers
+def _bwd(name: str):
+    return get_kernel(BWD, name, {"COLS": COLS, "ROWS": ROWS})
+
+
+def _upd(name: str):
+    return get_kernel(UPD, name, {"CHUNK": CHUNK})
+
+
 def _blocks(n: int, block: int = 256) -> tuple:
     return (min(launch_grid(n, block)[0], device_info()["multiprocessors"] * 16),)
 
@@ -168,18 +179,18 @@ def embed_mean(emb, ctx, out=None, check: bool = True):
     return x
 
 
-def _rowwise(name, y, bias):
+def _rowwise(kernel: str, name: str, y, bias):
+    """Check y (rows, cols) and bias (cols,), then run an in-place per-element kernel of train_forward.cu."""
     y = expect_array(y, name, dtype=np.float32, ndim=2)
-    expect_array(bias, "bias", dtype=np.float32, shape=(y.shape[1],))
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(y.shape[1],))
+    if y.size:
+        get_kernel(FWD, kernel)(_blocks(y.size), (256,), (y, bias, np.int64(y.size), np.int32(y.shape[1])))
     return y
 
 
 def bias_add(y, bias):
     """v1 piece: y += bias (broadcast over rows), in place."""
-    y = _rowwise("y", y, bias)
-    if y.size:
-        get_kernel(FWD, "bias_add")(_blocks(y.size), (256,), (y, bias, np.int64(y.size), np.int32(y.shape[1])))
-    return y
+    return _rowwise("bias_add", "y", y, bias)
 
 
 def relu(y):
@@ -192,10 +203,7 @@ def relu(y):
 
 def bias_relu(h, bias):
     """Fused: h = relu(h + bias), in place."""
-    h = _rowwise("h", h, bias)
-    if h.size:
-        get_kernel(FWD, "bias_relu")(_blocks(h.size), (256,), (h, bias, np.int64(h.size), np.int32(h.shape[1])))
-    return h
+    return _rowwise("bias_relu", "h", h, bias)
 
 
 def _row_block(cols: int) -> int:
@@ -278,13 +286,13 @@ def classifier(z, bias, targets=None, mode: str = "grad", scale: float | None = 
 
 
 def column_sum(a, out=None):
-    """v1 piece: out[c] = sum over rows of a[:, c] (a bias gradient), one block per 32-column strip."""
+    """v1 piece: out[c] = sum over rows of a[:, c] (a bias gradient), one block per COLS-column strip."""
     import cupy as cp
     a = expect_array(a, "a", dtype=np.float32, ndim=2)
     rows, cols = a.shape
     out = cp.empty(cols, cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(cols,))
     if cols:
-        get_kernel(BWD, "column_sum")((-(-cols // 32),), (STRIP,), (a, out, np.int32(rows), np.int32(cols)))
+        _bwd("column_sum")((-(-cols // COLS),), (COLS * ROWS,), (a, out, np.int32(rows), np.int32(cols)))
     return out
 
 
@@ -295,7 +303,7 @@ def relu_backward(dh, h, out=None):
     h = expect_array(h, "h", dtype=np.float32, shape=dh.shape)
     out = cp.empty_like(dh) if out is None else expect_array(out, "out", dtype=np.float32, shape=dh.shape)
     if dh.size:
-        get_kernel(BWD, "relu_backward")(_blocks(dh.size), (256,), (dh, h, out, np.int64(dh.size)))
+        _bwd("relu_backward")(_blocks(dh.size), (256,), (dh, h, out, np.int64(dh.size)))
     return out
 
 
@@ -310,10 +318,10 @@ def bias_grads_relu_backward(dz, dh, h, db2, db1):
     expect_array(h, "h", dtype=np.float32, shape=(B, H))
     expect_array(db2, "db2", dtype=np.float32, shape=(V,))
     expect_array(db1, "db1", dtype=np.float32, shape=(H,))
-    vblocks, hblocks = -(-V // 32), -(-H // 32)
+    vblocks, hblocks = -(-V // COLS), -(-H // COLS)
     if vblocks + hblocks:
-        get_kernel(BWD, "bias_grads_relu_backward")(
-            (vblocks + hblocks,), (STRIP,), (dz, db2, dh, h, db1, np.int32(B), np.int32(V), np.int32(H), np.int32(vblocks)))
+        _bwd("bias_grads_relu_backward")(
+            (vblocks + hblocks,), (COLS * ROWS,), (dz, db2, dh, h, db1, np.int32(B), np.int32(V), np.int32(H), np.int32(vblocks)))
 
 
 def _emb_args(emb_like, dx, ctx, check, emb_name):
@@ -333,9 +341,9 @@ def embedding_backward(dx, ctx, demb, zero: bool = True, check: bool = True):
     if zero:
         demb.fill(0)
     if ctx.shape[0]:
-        get_kernel(BWD, "embedding_backward")((ctx.shape[0],), (min(256, -(-demb.shape[1] // 32) * 32),),
-                                              (dx, ctx, demb, np.int32(ctx.shape[1]), np.int32(demb.shape[1]),
-                                               np.int32(demb.shape[0])))
+        _bwd("embedding_backward")((ctx.shape[0],), (min(256, -(-demb.shape[1] // 32) * 32),),
+                                   (dx, ctx, demb, np.int32(ctx.shape[1]), np.int32(demb.shape[1]),
+                                    np.int32(demb.shape[0])))
     return demb
 
 
@@ -344,9 +352,9 @@ def embedding_sgd(emb, dx, ctx, lr: float, check: bool = True):
     emb = expect_array(emb, "emb", dtype=np.float32, ndim=2)
     dx, ctx = _emb_args(emb, dx, ctx, check, "emb")
     if ctx.shape[0]:
-        get_kernel(BWD, "embedding_sgd")((ctx.shape[0],), (min(256, -(-emb.shape[1] // 32) * 32),),
-                                         (emb, dx, ctx, np.float32(lr), np.int32(ctx.shape[1]),
-                                          np.int32(emb.shape[1]), np.int32(emb.shape[0])))
+        _bwd("embedding_sgd")((ctx.shape[0],), (min(256, -(-emb.shape[1] // 32) * 32),),
+                              (emb, dx, ctx, np.float32(lr), np.int32(ctx.shape[1]),
+                               np.int32(emb.shape[1]), np.int32(emb.shape[0])))
     return emb
 
 
@@ -359,88 +367,103 @@ def _check_tensors(named: dict, what: str):
 class _Table:
     """The device-side table of adamw_multi / sgd_multi: pointers, sizes, weight decays, first blocks."""
 
-    def __init__(self, groups: list[list], sizes: list[int], wds: list[float], chunk: int = 4096):
+    def __init__(self, groups: list[list], sizes: list[int], wds: list[float]):
         import cupy as cp
         self.keep = groups                       # the arrays must outlive the table
         self.ptrs = cp.asarray(np.array([a.data.ptr for g in groups for a in g], dtype=np.uint64))
         self.sizes = cp.asarray(np.array(sizes, dtype=np.int64))
         self.wds = cp.asarray(np.array(wds, dtype=np.float32))
-        nblocks = [-(-s // chunk) for s in sizes]
+        nblocks = [-(-s // CHUNK) for s in sizes]
         self.first = cp.asarray(np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int32))
         self.blocks, self.n = int(sum(nblocks)), len(sizes)
 
 
-class SGD:
-    """p -= lr * (g + wd * p) for every tensor; `multi=True`: one launch for all (sgd_multi)."""
+class _Optimizer:
+    """What SGD and AdamW share: the check of `grads`, weight decay on `decayed` tensors only, and the
+    tables of the one-launch kernels (cached per set of gradient buffers: a loop passes the same ones)."""
 
-    def __init__(self, params: dict, lr: float, weight_decay: float = 0.0, decayed=ref.DECAYED):
+    def __init__(self, params: dict, lr: float, weight_decay: float, decayed):
         self.params, self.lr, self.wd, self.decayed = params, float(lr), float(weight_decay), tuple(decayed)
         self._tables = {}
 
-    def step(self, grads: dict, multi: bool = True, skip=()):
+    def _wd(self, k) -> float:
+        return self.wd if k in self.decayed else 0.0
+
+    def _names(self, grads: dict, skip=()) -> list:
+        """The tensors to update (all but `skip`), each checked to have a float32 gradient of its shape."""
         _check_tensors(grads, "grads")
         names = [k for k in self.params if k not in skip]
         for k in names:
-            if grads[k].shape != self.params[k].shape:
-                raise ValueError(f"grads[{k!r}]: expected shape {self.params[k].shape}, got {grads[k].shape}")
+            shape = self.params[k].shape
+            if k not in grads:
+                raise ValueError(f"grads[{k!r}]: missing; expected a float32 array of shape {shape} "
+                                 f"(one gradient per parameter: {names})")
+            if grads[k].shape != shape:
+                raise ValueError(f"grads[{k!r}]: expected shape {shape}, got {grads[k].shape}")
+        return names
+
+    def _arrays(self, k, grads: dict) -> list:
+        """Tensor k's arrays in the order the multi-tensor kernel reads them from the table."""
+        return [self.params[k], grads[k]]
+
+    def _table(self, grads: dict, names: list) -> _Table:
+        key = (tuple(names), tuple(grads[k].data.ptr for k in names))
+        if key not in self._tables:
+            self._tables[key] = _Table([self._arrays(k, grads) for k in names],
+                                       [self.params[k].size for k in names], [self._wd(k) for k in names])
+        return self._tables[key]
+
+
+class SGD(_Optimizer):
+    """p -= lr * (g + wd * p) for every tensor; `multi=True`: one launch for all (sgd_multi)."""
+
+    def __init__(self, params: dict, lr: float, weight_decay: float = 0.0, decayed=ref.DECAYED):
+        super().__init__(params, lr, weight_decay, decayed)
+
+    def step(self, grads: dict, multi: bool = True, skip=()):
+        names = self._names(grads, skip)
         if not multi:
             for k in names:
                 p, g = self.params[k], grads[k]
-                get_kernel(UPD, "sgd_v1")(_blocks(p.size), (256,), (p, g, np.int64(p.size), np.float32(self.lr),
-                                                                    np.float32(self._wd(k))))
+                _upd("sgd_v1")(_blocks(p.size), (256,), (p, g, np.int64(p.size), np.float32(self.lr),
+                                                         np.float32(self._wd(k))))
             return
-        key = (tuple(names), tuple(grads[k].data.ptr for k in names))
-        if key not in self._tables:
-            self._tables[key] = _Table([[self.params[k], grads[k]] for k in names],
-                                       [self.params[k].size for k in names], [self._wd(k) for k in names])
-        t = self._tables[key]
-        get_kernel(UPD, "sgd_multi")((t.blocks,), (256,), (t.ptrs, t.sizes, t.wds, t.first, np.int32(t.n),
-                                                           np.float32(self.lr)))
-
-    def _wd(self, k):
-        return self.wd if k in self.decayed else 0.0
+        tab = self._table(grads, names)
+        _upd("sgd_multi")((tab.blocks,), (256,), (tab.ptrs, tab.sizes, tab.wds, tab.first, np.int32(tab.n),
+                                                  np.float32(self.lr)))
 
 
-class AdamW:
+class AdamW(_Optimizer):
     """AdamW (PyTorch's formula) over every tensor; `multi=True`: one launch for all (adamw_multi)."""
 
     def __init__(self, params: dict, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, decayed=ref.DECAYED):
         import cupy as cp
-        self.params, self.lr, self.betas, self.eps = params, float(lr), tuple(betas), float(eps)
-        self.wd, self.decayed, self.t = float(weight_decay), tuple(decayed), 0
+        super().__init__(params, lr, weight_decay, decayed)
+        self.betas, self.eps, self.t = tuple(betas), float(eps), 0
         self.m = {k: cp.zeros_like(v) for k, v in params.items()}
         self.v = {k: cp.zeros_like(v) for k, v in params.items()}
-        self._tables = {}
+
+    def _arrays(self, k, grads: dict) -> list:
+        return [self.params[k], grads[k], self.m[k], self.v[k]]
 
     def step(self, grads: dict, multi: bool = True):
-        _check_tensors(grads, "grads")
-        for k in self.params:
-            if k not in grads or grads[k].shape != self.params[k].shape:
-                raise ValueError(f"grads[{k!r}]: expected shape {self.params[k].shape}, "
-                                 f"got {None if k not in grads else grads[k].shape}")
+        names = self._names(grads)
         self.t += 1
         b1, b2 = self.betas
         bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
         hyper = (np.float32(self.lr), np.float32(b1), np.float32(b2), np.float32(1.0 - b1), np.float32(1.0 - b2),
                  np.float32(self.eps))
         if not multi:
-            for k, p in self.params.items():
-                get_kernel(UPD, "adamw_v1")(_blocks(p.size), (256,), (p, grads[k], self.m[k], self.v[k], np.int64(p.size),
-                                                                      *hyper, np.float32(self._wd(k)),
-                                                                      np.float32(bc1), np.float32(bc2)))
+            for k in names:
+                p = self.params[k]
+                _upd("adamw_v1")(_blocks(p.size), (256,), (p, grads[k], self.m[k], self.v[k], np.int64(p.size),
+                                                           *hyper, np.float32(self._wd(k)),
+                                                           np.float32(bc1), np.float32(bc2)))
             return
-        key = tuple(grads[k].data.ptr for k in self.params)
-        if key not in self._tables:
-            names = list(self.params)
-            self._tables[key] = _Table([[self.params[k], grads[k], self.m[k], self.v[k]] for k in names],
-                                       [self.params[k].size for k in names], [self._wd(k) for k in names])
-        t = self._tables[key]
-        get_kernel(UPD, "adamw_multi")((t.blocks,), (256,), (t.ptrs, t.sizes, t.wds, t.first, np.int32(t.n), *hyper,
-                                                             np.float32(bc1), np.float32(bc2)))
-
-    def _wd(self, k):
-        return self.wd if k in self.decayed else 0.0
+        tab = self._table(grads, names)
+        _upd("adamw_multi")((tab.blocks,), (256,), (tab.ptrs, tab.sizes, tab.wds, tab.first, np.int32(tab.n),
+                                                    *hyper, np.float32(bc1), np.float32(bc2)))
 
 
 # ---------------------------------------------------------------------------- the model

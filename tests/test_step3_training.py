@@ -336,6 +336,7 @@ def test_bad_inputs_are_named():
     params, ctx, t = gpu_problem(37, 5, 11, 3, 4)
     m = T.Model(37, 5, 11, 3, init=params)
     opt = T.SGD(m.params, lr=0.1)
+    before = {k: v.copy() for k, v in m.params.items()}
     bad = ctx.copy(); bad[1, 2] = 37
     with pytest.raises(ValueError, match=r"ctx: token ids must be in \[0, 37\).*\[\d+, 37\]"):
         m.step(bad, t, opt)
@@ -359,9 +360,31 @@ def test_bad_inputs_are_named():
         T.classifier(cp.zeros((4, 37), cp.float32), m.params["b2"], t, mode="nope")
     with pytest.raises(ValueError, match=r"init\['W1'\]: expected shape"):
         T.Model(37, 5, 12, 3, init=params)
+    adam = T.AdamW(m.params)
     with pytest.raises(ValueError, match=r"grads\['W1'\]: expected shape"):
-        T.AdamW(m.params).step({**m.grads, "W1": cp.zeros((2, 2), cp.float32)})
-    assert not cp.isnan(m.params["W2"]).any(), "a rejected step must not have touched the weights"
+        adam.step({**m.grads, "W1": cp.zeros((2, 2), cp.float32)})
+    assert adam.t == 0, "a rejected AdamW step must not advance the step count"
+    for k, v in before.items():
+        assert cp.array_equal(m.params[k], v), f"a rejected step must not have touched the weights ({k})"
+
+
+@gpu
+@pytest.mark.parametrize("multi", [True, False])
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_optimizers_name_a_missing_gradient(optimizer, multi):
+    params, _, _ = problem()
+    m = T.Model(37, 5, 11, 3, init=params)
+    opt = getattr(T, optimizer)(m.params, lr=0.1)
+    before = {k: v.copy() for k, v in m.params.items()}
+    grads = {k: cp.ones_like(v) for k, v in m.params.items() if k != "b1"}
+    with pytest.raises(ValueError, match=r"grads\['b1'\]: missing; expected a float32 array of shape \(11,\)"):
+        opt.step(grads, multi=multi)
+    for k, v in before.items():
+        assert cp.array_equal(m.params[k], v), f"a rejected step must not have touched the weights ({k})"
+    if optimizer == "SGD":           # a skipped tensor needs no gradient (the fused step skips the embedding)
+        opt.step(grads, multi=multi, skip=("b1",))
+        assert cp.array_equal(m.params["b1"], before["b1"])
+        assert_close(m.params["W1"], R.f64(before["W1"]) - 0.1, rtol=1e-6, name="W1 after the step")
 
 
 @gpu

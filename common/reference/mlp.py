@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.reference.ops import f64
+from common.reference.ops import cross_entropy, f64, relu, relu_backward, softmax
 
 __all__ = ["PARAMS", "DECAYED", "init_params", "forward", "backward", "loss_and_grads", "sgd_step",
            "adamw_init", "adamw_step", "train"]
@@ -45,16 +45,13 @@ def forward(params: dict, ctx, targets=None) -> dict:
     ctx = _ids(ctx)
     x = p["emb"][ctx].mean(axis=1)
     hpre = x @ p["W1"] + p["b1"]
-    h = np.maximum(hpre, 0.0)
+    h = relu(hpre)
     z = h @ p["W2"] + p["b2"]
-    m = z.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
-    probs = np.exp(z - lse[:, None])
-    out = {"ctx": ctx, "x": x, "hpre": hpre, "h": h, "z": z, "probs": probs, "lse": lse}
+    out = {"ctx": ctx, "x": x, "hpre": hpre, "h": h, "z": z, "probs": softmax(z)}
     if targets is not None:
         t = _ids(targets)
         out["targets"] = t
-        out["losses"] = lse - z[np.arange(len(t)), t]
+        out["losses"] = cross_entropy(z, t)
         out["loss"] = float(out["losses"].mean())
     return out
 
@@ -69,7 +66,7 @@ def backward(params: dict, cache: dict) -> dict:
     dz[np.arange(B), t] -= 1.0
     dz /= B
     dh = dz @ p["W2"].T
-    dhpre = np.where(cache["hpre"] > 0.0, dh, 0.0)
+    dhpre = relu_backward(dh, cache["hpre"])
     dx = dhpre @ p["W1"].T
     demb = np.zeros_like(p["emb"])
     np.add.at(demb, ctx.reshape(-1), np.repeat(dx / K, K, axis=0))
