@@ -28,27 +28,21 @@ def main(argv=None) -> int:
 
     from common.device import describe, require_gpu
     from step4_gpt2 import weights
-    from step4_gpt2.generate import generate
+    from step4_gpt2.generate import generate, generate_streamed
     from step4_gpt2.model import GPT
-    from step4_gpt2.tokenizer import EOT, TextStream, decode, encode
+    from step4_gpt2.tokenizer import EOT, decode, encode
 
     require_gpu()
     print(describe(), file=sys.stderr)
-    cfg, params, is_random = weights.load(args.model, path=args.weights)
-    if is_random:
-        print(weights.GIBBERISH, file=sys.stderr)
+    # random weights (offline): load() prints the gibberish notice, once, to stderr (stdout is the text)
+    cfg, params, _ = weights.load(args.model, path=args.weights, notice="stderr")
     model = GPT(cfg, params)
-    ids = [encode(t) for t in args.prompt]
-    single = len(ids) == 1
-    printer = TextStream()
-    if single:
-        print(args.prompt[0], end="", flush=True)
-    gen = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, cuda_graph=not args.no_graph,
-                   on_token=(lambda b, t: printer(t) if t != EOT else None) if single else None)
-    if single:
-        print()
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+              cuda_graph=not args.no_graph)
+    if len(args.prompt) == 1:          # streamed as it is made
+        gen = generate_streamed(model, args.prompt[0], args.max_new_tokens, **kw)
     else:
+        gen = generate(model, [encode(t) for t in args.prompt], args.max_new_tokens, **kw)
         for text, new in zip(args.prompt, gen.tokens):
             print(f"--- {text}{decode([t for t in new if t != EOT])}")
     print(f"[{sum(map(len, gen.tokens))} tokens; prefill {gen.prefill_s * 1e3:.1f} ms; decode "

@@ -6,7 +6,8 @@
       bound (tokens/s) = copy_bandwidth / bytes_read_per_token
   where copy_bandwidth is common.copy_bandwidth() (bytes read + written per second by a device copy,
   i.e. the DRAM traffic rate the GPU sustains) and bytes_read_per_token = GPT.weight_bytes_per_token()
-  (~498 MB: all matrices, biases and LayerNorm parameters, wte once as the LM head). fraction =
+  (494.6 MB for 124M: 123,654,144 fp32 parameters = every matrix, bias and LayerNorm parameter, wte once
+  as the LM head, one row of wpe). fraction =
   achieved tokens/s / bound. KV-cache reads (<4 MB at 256 tokens) are left out of the bound.
 - decode at batch 8 (same weights read once per step for 8 sequences).
 - prefill 8 x 1024 tokens (logits of the last position, as generate needs) vs transformers eager.
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 
 import numpy as np
 
 from common.timing import bench, copy_bandwidth   # not `from common import bench`: common.benchmarks shadows it
 from common.benchmarks import Row
+from step4_gpt2.generate import capture
 
 NEW_TOKENS = 256
 PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]     # "Hello, I'm a language model,"
@@ -45,10 +46,11 @@ def setup(seed: int = 0):
     model = GPT(cfg, params)
     hf = None
     try:
-        import torch
+        from common import torch_cuda
+        torch = torch_cuda()                 # TF32 off: an fp32 anchor
+        if torch is None:
+            raise ImportError("torch with CUDA is not installed")
         import transformers
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
         hf = transformers.GPT2LMHeadModel.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
         hf = hf.eval().cuda()
         hf.generation_config.eos_token_id = None
@@ -59,15 +61,15 @@ def setup(seed: int = 0):
 
 
 def _wall(fn, reps: int = 3) -> float:
+    """Median seconds of a whole generate() call, host clock (the caller's view: prefill, host loop and
+    token reads included), after one warm-up call; the device is idle before and after each call."""
     import cupy as cp
-    times = []
-    for _ in range(reps):
-        cp.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
+
+    def synced():
         fn()
         cp.cuda.runtime.deviceSynchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    cp.cuda.runtime.deviceSynchronize()
+    return bench(synced, cpu=True, warmup=1, repeat=reps).median_ms / 1e3
 
 
 def hf_generate_s(hf, batch: int, n: int) -> float:
@@ -79,7 +81,6 @@ def hf_generate_s(hf, batch: int, n: int) -> float:
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                               do_sample=False, use_cache=True)
         assert out.shape[1] == len(PROMPT) + n
-    run()
     return _wall(run)
 
 
@@ -89,7 +90,6 @@ def ours_generate_s(model, batch: int, n: int, cuda_graph: bool = True) -> float
     def run():
         gen = generate(model, [PROMPT] * batch, n, stop_at_eos=False, cuda_graph=cuda_graph)
         assert len(gen.tokens[0]) == n
-    run()
     return _wall(run)
 
 
@@ -154,14 +154,9 @@ def replay_ms(model, B: int, ctx: int, plan: str, version: int):
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         model.decode_step(s, attention_version=version, plan=plan)        # compile, allocate workspaces
-        stream.begin_capture()
-        try:
-            model.decode_step(s, attention_version=version, plan=plan)
-        finally:
-            g = stream.end_capture()
+        g = capture(stream, lambda: model.decode_step(s, attention_version=version, plan=plan))
         t = bench(lambda: g.launch(stream), name=f"step replay b={B} {plan} attn v{version} ctx={ctx}",
                   warmup=3, repeat=30)
-    del s
     return t
 
 
@@ -223,8 +218,21 @@ def prefill_rows(model, hf, B: int = 8, T: int = 1024) -> list[Row]:
     return rows
 
 
+def step_ops(model, s, greedy: bool = False, attention_version: int | None = None, plan: str | None = None):
+    """The ops one decode step runs, in order (the names decode_step passes to its mark hook), and how many
+    kernel launches they are: one per op, except step 2's decode attention v2, which adds a combine kernel
+    when it splits the cache (decode_split_count). Runs the step once, eagerly, on state s."""
+    from step2_attention.flash import decode_split_count
+    names = []
+    model.decode_step(s, greedy=greedy, mark=names.append, attention_version=attention_version, plan=plan)
+    B, H, L = s.batch, model.config.n_head, s.cache.length
+    av = attention_version or model.decode_attention_version
+    combine = av == 2 and decode_split_count(B, H, L)[0] > 1
+    return names, len(names) + (names.count("decode attention") if combine else 0)
+
+
 def step_breakdown(model, ctx: int = 128, B: int = 1):
-    """{op: (eager ms per step, in-graph ms per step)}, eager step ms, graph step ms."""
+    """{op: (eager ms per step, in-graph ms per step)}, eager step ms, graph step ms; "fused" plan."""
     import cupy as cp
     from step2_attention.flash import decode_attention
     from step4_gpt2.model import embedding, gemv, gemv_qkv
@@ -232,9 +240,9 @@ def step_breakdown(model, ctx: int = 128, B: int = 1):
     s = filled_state(model, B, ctx)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        model.decode_step(s)
+        model.decode_step(s, plan="fused")
         # eager: CUDA events between ops, summed over the layers, median over runs
-        per = {}
+        per, count = {}, {}
         for _ in range(7):
             marks = []
 
@@ -243,50 +251,43 @@ def step_breakdown(model, ctx: int = 128, B: int = 1):
                 e.record()
                 marks.append((name, e))
             mark("start")
-            model.decode_step(s, mark=mark)
+            model.decode_step(s, mark=mark, plan="fused")
             marks[-1][1].synchronize()
             acc = {}
             for (_, e0), (name, e1) in zip(marks, marks[1:]):
                 acc[name] = acc.get(name, 0.0) + cp.cuda.get_elapsed_time(e0, e1)
+                count[name] = sum(1 for n, _ in marks if n == name)          # times the op runs per step
             for k, v in acc.items():
                 per.setdefault(k, []).append(v)
         eager = {k: statistics.median(v) for k, v in per.items()}
-        # in a graph: each op of layer 0 alone, captured 20 times back to back
+        # in a graph: each op of layer 0 alone, captured 20 times back to back. These calls repeat
+        # decode_step's (fused plan): the check below fails loudly when the two lists drift apart.
         blk, H, D, eps = model.h[0], cfg.n_head, cfg.head_dim, cfg.eps
         av = model.decode_attention_version
         ops = {
-            "embedding": (1, lambda: embedding(s.tokens, s.pos, model.wte, model.wpe, s.x)),
-            "ln_1 + qkv GEMV + KV append": (cfg.n_layer, lambda: gemv_qkv(
-                s.x, blk.c_attn, blk.c_attn_b, s.q, s.cache.k[0], s.cache.v[0], s.pos, ln=blk.ln_1, eps=eps)),
-            "decode attention": (cfg.n_layer, lambda: decode_attention(
-                s.q.reshape(B, H, D), s.cache.k[0], s.cache.v[0], s.lens, out=s.att.reshape(B, H, D), version=av)),
-            "attn proj GEMV + residual": (cfg.n_layer, lambda: gemv(s.att, blk.c_proj, blk.c_proj_b, out=s.x,
-                                                                    residual=True)),
-            "ln_2 + fc GEMV + GELU": (cfg.n_layer, lambda: gemv(s.x, blk.c_fc, blk.c_fc_b, out=s.h, gelu=True,
-                                                                ln=blk.ln_2, eps=eps)),
-            "mlp proj GEMV + residual": (cfg.n_layer, lambda: gemv(s.h, blk.mlp_proj, blk.mlp_proj_b, out=s.x,
-                                                                   residual=True)),
-            "ln_f + LM head GEMV": (1, lambda: gemv(s.x, model.wte, out=s.logits, ln=model.ln_f, eps=eps)),
+            "embedding": lambda: embedding(s.tokens, s.pos, model.wte, model.wpe, s.x),
+            "ln_1 + qkv GEMV + KV append": lambda: gemv_qkv(
+                s.x, blk.c_attn, blk.c_attn_b, s.q, s.cache.k[0], s.cache.v[0], s.pos, ln=blk.ln_1, eps=eps),
+            "decode attention": lambda: decode_attention(
+                s.q.reshape(B, H, D), s.cache.k[0], s.cache.v[0], s.lens, out=s.att.reshape(B, H, D), version=av),
+            "attn proj GEMV + residual": lambda: gemv(s.att, blk.c_proj, blk.c_proj_b, out=s.x, residual=True),
+            "ln_2 + fc GEMV + GELU": lambda: gemv(s.x, blk.c_fc, blk.c_fc_b, out=s.h, gelu=True, ln=blk.ln_2, eps=eps),
+            "mlp proj GEMV + residual": lambda: gemv(s.h, blk.mlp_proj, blk.mlp_proj_b, out=s.x, residual=True),
+            "ln_f + LM head GEMV": lambda: gemv(s.x, model.wte, out=s.logits, ln=model.ln_f, eps=eps),
         }
+        if set(ops) != set(eager):
+            raise RuntimeError(f"step_breakdown's ops {sorted(ops)} differ from decode_step's marks "
+                               f"{sorted(eager)}: update step_breakdown to match decode_step")
         graphed = {}
-        for name, (count, fn) in ops.items():
+        for name, fn in ops.items():
             fn()
-            stream.begin_capture()
-            try:
-                for _ in range(20):
-                    fn()
-            finally:
-                g = stream.end_capture()
+            g = capture(stream, lambda: [fn() for _ in range(20)])
             t = bench(lambda: g.launch(stream), name=name, warmup=2, repeat=20)
-            graphed[name] = count * t.median_ms / 20
-        t_eager = bench(lambda: model.decode_step(s), name="decode step, eager", warmup=2, repeat=30)
-        stream.begin_capture()
-        try:
-            model.decode_step(s)
-        finally:
-            graph = stream.end_capture()
+            graphed[name] = count[name] * t.median_ms / 20
+        t_eager = bench(lambda: model.decode_step(s, plan="fused"), name="decode step, eager", warmup=2, repeat=30)
+        graph = capture(stream, lambda: model.decode_step(s, plan="fused"))
         t_graph = bench(lambda: graph.launch(stream), name="decode step, CUDA graph", warmup=2, repeat=30)
-    table = {k: (eager.get(k, float("nan")), graphed.get(k, float("nan"))) for k in eager}
+    table = {k: (eager[k], graphed[k]) for k in eager}
     return table, t_eager, t_graph
 
 
@@ -321,7 +322,7 @@ def gemv_rows() -> list[Row]:
                 t = bench(lambda: gemv(x, W, out=y, **kw), name=f"GEMV {label} b={B} {name}",
                           bytes=W.nbytes + x.nbytes + y.nbytes, warmup=3, repeat=30)
                 rows.append(Row.of(t, f"{N}x{K}", ceiling=("copy bw", bw)))
-        del W
+        W = None                 # free this matrix before the next one is made
     return rows
 
 

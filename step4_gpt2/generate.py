@@ -8,9 +8,11 @@
   real token see the padding, and each sequence's position (pos) and cache length (lens) live on the
   device, so a new token is written at its own sequence's position.
 - cuda_graph=True: the first decode step runs eagerly (compiles and warms every kernel), then the step
-  is captured into a CUDA graph (CuPy stream capture) and every later step replays it: ~60-90 launches
-  become one. One graph per attention version (step 2's v1 while the cache is short, v2 when long; the
-  host knows each step's cache length and replays the right one). Greedy decoding keeps the choice
+  is captured into a CUDA graph (CuPy stream capture, `capture`) and every later step replays it: all
+  the step's kernel launches (5 per block with the "fused" plan, 7 with "split", one more per block when
+  attention v2 splits the cache; the notebook counts them) become one. One graph per attention version
+  (step 2's v1 while the cache is short, v2 when long; the host knows each step's cache length and
+  replays the right one). Greedy decoding keeps the choice
   (argmax) and the position update inside the graph too, so the host queues the next step before it
   reads the last one's tokens. With model.keep_graphs the state and graphs are kept for the next call
   with the same batch, cache length and greedy flag (as a server keeps its captured graphs).
@@ -27,6 +29,19 @@ import numpy as np
 from step4_gpt2.tokenizer import EOT
 
 PIPELINE_DEPTH = 2     # greedy decode steps queued ahead of the host's token read (1 = none ahead)
+
+
+def capture(stream, fn):
+    """A CUDA graph of the work fn() enqueues on `stream` (recorded, not run). The capture is ended even
+    when fn raises, so the stream is usable again; fn must not allocate or sync (nothing a graph can't hold)."""
+    stream.begin_capture()
+    try:
+        with stream:
+            fn()
+    except BaseException:
+        stream.end_capture()
+        raise
+    return stream.end_capture()
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -192,14 +207,8 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
         plan = model.plan_for(B)
         gen.info.update(plan=plan, attention_versions=set())
 
-        def capture(version):
-            stream.begin_capture()
-            try:
-                model.decode_step(s, greedy=greedy, attention_version=version, plan=plan)
-            except BaseException:
-                stream.end_capture()
-                raise
-            return stream.end_capture()
+        def capture_step(version):
+            return capture(stream, lambda: model.decode_step(s, greedy=greedy, attention_version=version, plan=plan))
 
         def step(k):
             """Enqueue decode step k (cache rows of the longest sequence: max(lens) + 1 + k)."""
@@ -208,14 +217,14 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
             gkey = (plan, version)
             if cuda_graph and gkey not in graphs and plan in warmed:
                 model.warm(s, version)            # its workspace exists before the capture
-                graphs[gkey] = capture(version)
+                graphs[gkey] = capture_step(version)
             if cuda_graph and gkey in graphs:
                 graphs[gkey].launch(stream)
                 return
             model.decode_step(s, greedy=greedy, attention_version=version, plan=plan)   # compiles, warms
             warmed.add(plan)
             if cuda_graph:                       # captured (not run) now, replayed from the next step on
-                graphs[gkey] = capture(version)
+                graphs[gkey] = capture_step(version)
 
         n_steps = max_new_tokens - 1             # the prefill made the first token
         if record(host) or n_steps == 0:
@@ -255,14 +264,22 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     return gen
 
 
-def generate_text(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, **kw) -> str:
-    """Generate from one text prompt, printing the text as it is made; returns prompt + continuation."""
-    from step4_gpt2.tokenizer import TextStream, decode, encode
-    ids = encode(prompt)
+def generate_streamed(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, **kw) -> Generation:
+    """generate() for one text prompt, printing the prompt and then the text as it is made (whole
+    characters only; the end-of-text token is not printed). Returns the Generation (its timings)."""
+    from step4_gpt2.tokenizer import TextStream, encode
     printer = TextStream()
     if stream_print:
         print(prompt, end="", flush=True)
-    gen = generate(model, [ids], max_new_tokens, on_token=(lambda b, t: printer(t)) if stream_print else None, **kw)
+    on_token = (lambda b, t: printer(t) if t != EOT else None) if stream_print else None
+    gen = generate(model, [encode(prompt)], max_new_tokens, on_token=on_token, **kw)
     if stream_print:
         print()
+    return gen
+
+
+def generate_text(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, **kw) -> str:
+    """Generate from one text prompt, printing the text as it is made; returns prompt + continuation."""
+    from step4_gpt2.tokenizer import decode
+    gen = generate_streamed(model, prompt, max_new_tokens, stream_print, **kw)
     return prompt + decode([t for t in gen.tokens[0] if t != EOT])

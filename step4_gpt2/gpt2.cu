@@ -193,8 +193,7 @@ __device__ __forceinline__ void gemv_store(float s, int b, int n, int N, const f
 }
 
 // v3: ROWS output rows per warp, so each lane has ROWS independent 16-byte weight loads in flight per
-// step, and the epilogue fused. EPI_QKV: n < C is q (written to y as (B, H, D)); C <= n < 2C is k and
-// 2C <= n < 3C is v, written into the caches (B, H, L, D) at row pos[b], read on the device.
+// step, and the epilogue fused (gemv_store).
 template <int EPI>
 __device__ __forceinline__ void gemv_v3_body(const float* __restrict__ x, const float* __restrict__ W,
                                              const float* __restrict__ bias, float* __restrict__ y,

@@ -25,12 +25,11 @@ weights contiguously; cuBLAS reads the same array transposed (no copy) for the p
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, load_module
+from common import allow_dynamic_smem, device_info, expect_array, get_kernel
 from step4_gpt2.weights import GPTConfig   # n_layer, n_head, n_embd, vocab_size, block_size  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
@@ -49,18 +48,25 @@ ATTN_V1_MAX_LEN = 128    # step 2's decode_attention v1 beats v2 up to ~128 cach
 
 # ----------------------------------------------------------------------------- the kernels of gpt2.cu
 def _fn(name: str, rows: int = ROWS, unroll: int = V5_UNROLL):
-    return load_module(HERE / "gpt2.cu", defines={"MAXB": MAXB, "ROWS": rows, "V4_WARPS": V4_WARPS,
-                                                  "V5_UNROLL": unroll}).get_function(name)
+    return get_kernel(HERE / "gpt2.cu", name, {"MAXB": MAXB, "ROWS": rows, "V4_WARPS": V4_WARPS,
+                                               "V5_UNROLL": unroll})
 
 
-def _sms() -> int:
-    from common import device_info
-    return device_info()["multiprocessors"]
+def _index_vector(a, name: str, n: int):
+    """An int32 (n,) index vector on the GPU (token ids, positions, lengths: read by the kernels as int*)."""
+    return expect_array(a, name, dtype=np.int32, shape=(n,))
 
 
 def embedding(tokens, positions, wte, wpe, out):
-    """out[i] = wte[tokens[i]] + wpe[positions[i]] (ids must already be in range)."""
+    """out[i] = wte[tokens[i]] + wpe[positions[i]]; tokens, positions int32 (n,), out (n, C). The ids are
+    not range-checked here (that needs a host sync, and the decode step reads them on the device):
+    GPT.check_tokens checks prompts, and every later id comes from the model's own argmax or sampler."""
+    out = expect_array(out, "out", dtype=np.float32, ndim=2)
     n, C = out.shape
+    wte = expect_array(wte, "wte", dtype=np.float32, shape=(None, C))
+    expect_array(wpe, "wpe", dtype=np.float32, shape=(None, C))
+    _index_vector(tokens, "tokens", n)
+    _index_vector(positions, "positions", n)
     _fn("embedding_v2" if C % 4 == 0 else "embedding_v1")((n,), (min(256, max(32, C // 4)),),
                                                          (tokens, positions, wte, wpe, out, np.int32(n), np.int32(C)))
     return out
@@ -78,10 +84,26 @@ def bias_gelu(h, b):
     return h
 
 
+def _check_caches(k_cache, v_cache, B: int, C: int):
+    """(H, L, D) of a pair of KV caches (B, H, L, D), float32, contiguous, H * D = C."""
+    k_cache = expect_array(k_cache, "k_cache", dtype=np.float32, shape=(B, None, None, None))
+    _, H, L, D = k_cache.shape
+    expect_array(v_cache, "v_cache", dtype=np.float32, shape=k_cache.shape)
+    if H * D != C:
+        raise ValueError(f"k_cache: {H} heads x head_dim {D} = {H * D} channels, but the activations have C={C}")
+    return H, L, D
+
+
 def kv_cache_fill(qkv, bias, k_cache, v_cache):
     """Write k and v of a prompt (qkv (B, T, 3C) without bias) into caches (B, H, L, D) at rows 0..T-1."""
+    qkv = expect_array(qkv, "qkv", dtype=np.float32, ndim=3)
     B, T, C3 = qkv.shape
-    _, H, L, D = k_cache.shape
+    if C3 % 3:
+        raise ValueError(f"qkv: the last dimension holds q, k and v (3C), got {C3}, not a multiple of 3")
+    expect_array(bias, "bias", dtype=np.float32, shape=(C3,))
+    H, L, D = _check_caches(k_cache, v_cache, B, C3 // 3)
+    if L < T:
+        raise ValueError(f"k_cache: holds {L} positions per sequence, fewer than the prompt's T={T} tokens")
     _fn("kv_cache_fill_v1")((B * T,), (128,), (qkv, bias, k_cache, v_cache, np.int32(B), np.int32(T),
                                                np.int32(H), np.int32(D), np.int32(L)))
 
@@ -96,25 +118,34 @@ def _gemv_launch(version: int, N: int):
 def _v5_launch(N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL,
                blocks_per_sm: int = V5_BLOCKS_PER_SM):
     """(grid, block, shared bytes) of gemv_v5: the fewest warps (<= 8) whose lanes cover a row with
-    `unroll` float4s each, one block per ROWS-row tile up to blocks_per_sm per SM (then blocks loop)."""
+    `unroll` float4s each, one block per ROWS-row tile up to blocks_per_sm per SM (then blocks loop),
+    fewer when this GPU's threads, shared memory or block slots per SM cannot hold that many."""
+    d = device_info()
     warps = min(8, max(1, -(-(K // 4) // (32 * unroll))))
     smem = nb * K * 4 if ln else 0
     if ln and nb > 2:      # every block re-reads and normalises all nb rows: amortise it over more tiles
         blocks_per_sm = min(blocks_per_sm, V5_LN_BLOCKS_PER_SM)
-    per_sm = max(1, min(blocks_per_sm, 2048 // (32 * warps), (200 << 10) // smem if smem else blocks_per_sm))
-    return (min(-(-N // rows), _sms() * per_sm),), (32 * warps,), smem
+    fit = min(d["max_blocks_per_sm"], d["max_threads_per_sm"] // (32 * warps))
+    if smem:               # the CUDA runtime reserves 1 KB of shared memory per block
+        fit = min(fit, d["shared_per_sm"] // (smem + 1024))
+    per_sm = max(1, min(blocks_per_sm, fit))
+    return (min(-(-N // rows), d["multiprocessors"] * per_sm),), (32 * warps,), smem
+
+
+def _v5_rows_per_launch(fn, K: int, ln: bool) -> int:
+    """Batch rows per launch of gemv_v5 kernel fn: MAXB, or with the LayerNorm prologue (nb rows x K floats
+    in shared memory) as many as this GPU's per-block opt-in limit holds next to fn's static shared memory
+    (a T4's 64 KB: 3 rows of K=4100). GPT-2's decode (K=768, batch <= 8) always fits in one launch."""
+    if not ln:
+        return MAXB
+    room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes
+    return max(1, min(MAXB, room // (4 * K)))
 
 
 def _v5_call(name, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL, blocks_per_sm=V5_BLOCKS_PER_SM):
     grid, block, smem = _v5_launch(N, K, nb, ln, rows, unroll, blocks_per_sm)
     fn = _fn(name, rows, unroll)
-    if smem > 48 << 10:
-        from common import device_info
-        limit = device_info()["shared_per_block_optin"]
-        if smem > limit:
-            raise ValueError(f"x: the LayerNorm prologue keeps {nb} rows x {K} floats in shared memory "
-                             f"({smem} bytes), more than this GPU's {limit}; use fewer rows per call")
-        fn.max_dynamic_shared_size_bytes = smem
+    allow_dynamic_smem(fn, smem, f"ln: the LayerNorm prologue's {nb} row(s) x {K} floats in shared memory")
     fn(grid, block, args, shared_mem=smem)
 
 
@@ -163,8 +194,9 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
             raise ValueError("gelu=True needs a bias (the fused epilogue is gelu(x @ W^T + bias))")
         if residual and bias is None:
             raise ValueError("bias: residual=True needs the projection bias")
-        for b0 in range(0, B, MAXB):
-            nb = min(MAXB, B - b0)
+        step = _v5_rows_per_launch(_fn(name, rows, unroll), K, ln is not None)
+        for b0 in range(0, B, step):
+            nb = min(step, B - b0)
             _v5_call(name, N, K, nb, ln is not None,
                      (x[b0:b0 + nb], W, bias if bias is not None else np.uint64(0), y[b0:b0 + nb], np.int32(nb),
                       np.int32(N), np.int32(K), lw, lb, e), rows, unroll)
@@ -172,13 +204,14 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
     if version in (1, 2):
         if gelu:
             raise ValueError("gelu=True needs version 3 or 4 (the fused epilogue)")
-        grid = -(-B * N // 128) if version == 1 else -(-N * 32 // 128)
-        for b0 in range(0, B, 1 if version == 1 else MAXB):
-            nb = B if version == 1 else min(MAXB, B - b0)
-            _fn(f"gemv_v{version}")((grid,), (128,), (x[b0:b0 + nb], W, bias if bias is not None else np.uint64(0),
-                                                       y[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K)))
-            if version == 1:
-                break
+        b_arg = bias if bias is not None else np.uint64(0)
+        if version == 1:       # a thread per output: any batch in one launch
+            _fn("gemv_v1")((-(-B * N // 128),), (128,), (x, W, b_arg, y, np.int32(B), np.int32(N), np.int32(K)))
+            return y
+        for b0 in range(0, B, MAXB):
+            nb = min(MAXB, B - b0)
+            _fn("gemv_v2")((-(-N * 32 // 128),), (128,), (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
+                                                         np.int32(N), np.int32(K)))
         return y
     if version not in (3, 4):
         raise ValueError(f"version: expected 1, 2, 3, 4 or 5, got {version!r}")
@@ -196,15 +229,28 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
 
 def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=5, ln=None, eps: float = 1e-5):
     """q (B, C) = first third of x @ W^T + b; k and v go into the caches (B, H, L, D) at row pos[b].
-    version 5 with ln=(weight, bias): x is LayerNorm-ed first, inside the same kernel."""
+    version 5 with ln=(weight, bias): x is LayerNorm-ed first, inside the same kernel.
+    pos (B,) int32 is read on the device (so the step is capturable) and not range-checked here:
+    0 <= pos[b] < L is the caller's invariant (generate sizes the cache for every position it feeds)."""
+    x = expect_array(x, "x", dtype=np.float32, ndim=2)
     B, K = x.shape
+    W = expect_array(W, "W", dtype=np.float32, ndim=2, shape=(None, K))
     N = W.shape[0]
-    _, H, L, D = k_cache.shape
+    if K % 4 or N % 3:
+        raise ValueError(f"W: expected (3C, K) with K a multiple of 4 (float4 loads), got {W.shape}")
+    C = N // 3
+    expect_array(bias, "bias", dtype=np.float32, shape=(N,))
+    expect_array(q, "q", dtype=np.float32, shape=(B, C))
+    H, L, D = _check_caches(k_cache, v_cache, B, C)
+    _index_vector(pos, "pos", B)
+    if version not in (3, 4, 5):
+        raise ValueError(f"version: expected 3, 4 or 5, got {version!r}")
     if version == 5:
         lw, lb, e = _ln_args(ln, K, eps)
         name = "gemv_ln_qkv_v5" if ln is not None else "gemv_qkv_v5"
-        for b0 in range(0, B, MAXB):
-            nb = min(MAXB, B - b0)
+        step = _v5_rows_per_launch(_fn(name, V5_ROWS), K, ln is not None)
+        for b0 in range(0, B, step):
+            nb = min(step, B - b0)
             _v5_call(name, N, K, nb, ln is not None,
                      (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
                       k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
@@ -221,15 +267,28 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=5, ln=None, eps: floa
 
 
 def argmax(logits, tokens, pos=None, lens=None):
-    """tokens[b] = argmax(logits[b]) (first index on ties); with pos/lens, also advance both by one."""
+    """tokens[b] = argmax(logits[b]) (first index on ties); with pos/lens, also advance both by one.
+    logits (B, V) float32; tokens, pos, lens int32 (B,)."""
+    logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)
     B, V = logits.shape
+    _index_vector(tokens, "tokens", B)
+    if (pos is None) != (lens is None):
+        raise ValueError("pos, lens: pass both (advance them with the argmax) or neither")
     adv = pos is not None
+    if adv:
+        _index_vector(pos, "pos", B)
+        _index_vector(lens, "lens", B)
     _fn("argmax_v1")((B,), (1024,), (logits, np.int32(V), tokens, pos if adv else tokens,
                                      lens if adv else tokens, np.int32(adv)))
     return tokens
 
 
 def advance(pos, lens):
+    """pos += 1, lens += 1 on the device (int32 (B,) each; after a token sampled outside the graph)."""
+    pos = expect_array(pos, "pos", dtype=np.int32, ndim=1)
+    _index_vector(lens, "lens", pos.size)
+    if pos.size > 1024:
+        raise ValueError(f"pos: advance_v1 is one block of at most 1024 threads, got {pos.size} sequences")
     _fn("advance_v1")((1,), (max(32, -(-pos.size // 32) * 32),), (pos, lens, np.int32(pos.size)))
 
 
@@ -317,10 +376,8 @@ class GPT:
         return self.config.n_params()
 
     def weight_bytes_per_token(self) -> int:
-        """Bytes a decode step must read: every matrix, bias and LayerNorm parameter once (fp32),
-        plus one row of wpe; wte counts once (as the LM head: the embedding reads one row)."""
-        c = self.config
-        return (self.n_params() - c.block_size * c.n_embd + c.n_embd) * 4
+        """Bytes a decode step must read (GPTConfig.weight_bytes_per_token: every weight once, fp32)."""
+        return self.config.weight_bytes_per_token()
 
     def _ln_after(self, i: int):
         """The LayerNorm that follows block i's residual: the next block's ln_1, or ln_f after the last."""
@@ -347,6 +404,20 @@ class GPT:
             raise ValueError(f"{name}: token id {bad} is out of range [0, {self.config.vocab_size})")
         return cp.ascontiguousarray(idx, dtype=cp.int32)
 
+    @staticmethod
+    def _check_last(last, B: int, T: int):
+        """`last` as int64 positions (B,) on the GPU, each in [0, T): CuPy would wrap an out-of-range
+        fancy index silently (last=T would read position 0), so it is checked here, on the host."""
+        import cupy as cp
+        host = np.asarray(last.get() if isinstance(last, cp.ndarray) else last)
+        if host.shape != (B,) or (host.size and host.dtype.kind not in "iu"):
+            raise ValueError(f"last: expected one integer position per sequence, shape ({B},), "
+                             f"got {host.dtype} {host.shape}")
+        if host.size and (host.min() < 0 or host.max() >= T):
+            bad = int(host.min()) if host.min() < 0 else int(host.max())
+            raise ValueError(f"last: position {bad} is out of range [0, {T}) for prompts of T={T} tokens")
+        return cp.asarray(host.astype(np.int64))
+
     # ------------------------------------------------------------------ prefill: a whole prompt at once
     def forward(self, idx, cache: KVCache | None = None, last=None):
         """Logits for token ids idx (B, T): (B, T, V), or with `last` (B,) the logits at position
@@ -358,6 +429,8 @@ class GPT:
         idx = self.check_tokens(idx)
         B, T = idx.shape
         C, H = cfg.n_embd, cfg.n_head
+        if last is not None:
+            last = self._check_last(last, B, T)
         if cache is not None and (cache.k[0].shape[0] != B or cache.length < T):
             raise ValueError(f"cache: holds {cache.k[0].shape[0]} sequences x {cache.length} positions, "
                              f"the prompt is {B} x {T}")
@@ -376,7 +449,7 @@ class GPT:
                                       eps=cfg.eps, out_residual=x, out_ln=a)
         if last is None:
             return cp.matmul(a, self.wte.T).reshape(B, T, cfg.vocab_size)
-        rows = a.reshape(B, T, C)[cp.arange(B), cp.asarray(last)]          # (B, C): ln_f at each last token
+        rows = a.reshape(B, T, C)[cp.arange(B), last]                      # (B, C): ln_f at each last token
         return gemv(cp.ascontiguousarray(rows), self.wte)
 
     # ------------------------------------------------------------------ decode: one token per sequence
@@ -464,16 +537,6 @@ class GPT:
         return s.logits
 
 
-def flops_per_token(config: GPTConfig, context: int) -> float:
-    """2 FLOPs per weight (matrices only) + attention over `context` positions, per generated token."""
-    C, L = config.n_embd, config.n_layer
-    return 2 * (L * 12 * C * C + config.vocab_size * C) + L * 4 * context * C
-
-
-def seq_len_bound(config: GPTConfig, prompt_len: int, max_new_tokens: int) -> int:
-    """Cache rows needed: the prompt plus every generated token but the last (never fed back)."""
-    return prompt_len + max(max_new_tokens - 1, 0)
-
 
 __all__ = ["GPTConfig", "GPT", "Block", "KVCache", "DecodeState", "embedding", "bias_gelu", "kv_cache_fill",
-           "gemv", "gemv_qkv", "argmax", "advance", "flops_per_token", "seq_len_bound", "math"]
+           "gemv", "gemv_qkv", "argmax", "advance"]

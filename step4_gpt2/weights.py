@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,11 @@ class GPTConfig:
     def n_params(self) -> int:
         """Parameters in the file (the tied LM head counted once)."""
         return sum(int(np.prod(s)) for s in expected_shapes(self).values())
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes a decode step must read: every matrix, bias and LayerNorm parameter once (fp32), plus one
+        row of wpe; wte counts once (as the LM head: the embedding reads one row). 494.6 MB for gpt2."""
+        return (self.n_params() - self.block_size * self.n_embd + self.n_embd) * 4
 
     def to_hf(self) -> dict:
         """config.json in the Hugging Face GPT2Config format."""
@@ -185,7 +190,7 @@ def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
         return False
 
 
-def random_weights(cfg: GPTConfig, seed: int = 0, notice: bool = True) -> dict:
+def random_weights(cfg: GPTConfig, seed: int = 0, notice: bool | str = True) -> dict:
     """Weights in exactly the HF layout, made offline: N(0, 0.02) like GPT-2's init (residual projections
     scaled by 1/sqrt(2 n_layer)). Biases and LayerNorm parameters are random too, so a kernel that forgets
     one of them is caught."""
@@ -217,9 +222,12 @@ def save(params: dict, cfg: GPTConfig, directory) -> Path:
     return path
 
 
-def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0) -> tuple[GPTConfig, dict, bool]:
+def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0,
+         notice: bool | str = True) -> tuple[GPTConfig, dict, bool]:
     """(config, params, is_random): a local file if given, else the HF download, else (offline) random
-    weights with the gibberish notice. `name` picks the GPT-2 size."""
+    weights with the gibberish notice, printed once, here (to stdout, or stderr with notice="stderr", as the
+    messages about the failed download; notice=False prints nothing). `name` picks the GPT-2 size."""
+    out = sys.stderr if notice == "stderr" else sys.stdout
     if path is not None:
         cfg, params = load_file(path)
         return cfg, params, False
@@ -231,14 +239,15 @@ def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0
         except (OSError, ImportError, WeightFileError) as e:
             if not allow_random:
                 raise
-            print(f"download of {repo} failed ({type(e).__name__}: {e})")
+            if notice:
+                print(f"download of {repo} failed ({type(e).__name__}: {e})", file=out)
     elif not allow_random:
         raise RuntimeError(f"no network (or HF_HUB_OFFLINE is set): cannot download {repo}; pass path= to a "
                            f"local {WEIGHTS_FILE}")
-    else:
-        print(f"offline (no route to huggingface.co or HF_HUB_OFFLINE set): not downloading {repo}")
+    elif notice:
+        print(f"offline (no route to huggingface.co or HF_HUB_OFFLINE set): not downloading {repo}", file=out)
     cfg = GPTConfig.from_name(name)
-    return cfg, random_weights(cfg, seed), True
+    return cfg, random_weights(cfg, seed, notice=notice), True
 
 
 def summary(cfg: GPTConfig) -> str:
@@ -248,4 +257,4 @@ def summary(cfg: GPTConfig) -> str:
 
 
 __all__ = ["GPTConfig", "WeightFileError", "expected_shapes", "normalize", "infer_config", "validate",
-           "load_file", "download", "online", "random_weights", "save", "load", "summary", "asdict"]
+           "load_file", "download", "online", "random_weights", "save", "load", "summary"]

@@ -4,7 +4,7 @@ loaded from the same safetensors file, sampling, bad inputs."""
 import numpy as np
 import pytest
 
-from common import assert_close, poison, rand
+from common import assert_close, errors, poison, rand
 from common.reference import gpt2 as ref
 from step4_gpt2 import weights as W
 from step4_gpt2.generate import check_sampling, sample
@@ -15,9 +15,10 @@ gpu = pytest.mark.gpu
 
 
 def max_rel(a, b) -> float:
-    """max |a - b| / max |b|: the issue's 'max relative error' for logits."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
+    """max |a - b| / max |b|: the issue's 'max relative error' for logits, from common.errors' max abs
+    error (an element-wise relative error would blow up on logits near 0; NaN/Inf in a gives inf)."""
+    _, max_abs = errors(a, b)
+    return max_abs / float(np.abs(np.asarray(b, np.float64)).max())
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +104,50 @@ def test_124m_parameter_count_and_offline_notice(capsys):
 
 
 def test_offline_loader_falls_back_to_random_weights(monkeypatch, capsys):
+    tiny = W.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=50, block_size=8)
+    monkeypatch.setattr(W.GPTConfig, "from_name", classmethod(lambda cls, name: tiny))   # keep it fast
+    monkeypatch.setattr(W, "download", lambda *a, **k: pytest.fail("load() must not download offline"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert not W.online()
     with pytest.raises(RuntimeError, match="HF_HUB_OFFLINE"):
         W.load("gpt2", allow_random=False)
+    capsys.readouterr()
+    cfg, params, is_random = W.load("gpt2")
+    out = capsys.readouterr()
+    assert is_random and cfg == tiny
+    W.validate(params, tiny)
+    assert (out.out + out.err).count(W.GIBBERISH) == 1 and "offline" in out.out
+    # online, but the download fails: the same fallback, the failure named, the notice once (stderr here)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    def fail(*a, **k):
+        raise OSError("connection reset")
+    monkeypatch.setattr(W, "online", lambda *a, **k: True)
+    monkeypatch.setattr(W, "download", fail)
+    cfg, params, is_random = W.load("gpt2", notice="stderr")
+    out = capsys.readouterr()
+    assert is_random and cfg == tiny
+    assert out.err.count(W.GIBBERISH) == 1 and "connection reset" in out.err and out.out == ""
+    with pytest.raises(OSError, match="connection reset"):
+        W.load("gpt2", allow_random=False)
+
+
+def test_weight_bytes_per_token_counts_every_weight_once():
+    cfg = W.GPTConfig()
+    # 124M: all parameters (wte once, as the tied LM head) but wpe, of which a step reads one row
+    assert cfg.weight_bytes_per_token() == (124_439_808 - 1024 * 768 + 768) * 4 == 494_616_576
+
+
+def test_last_positions_are_checked_before_any_gpu_work():
+    pytest.importorskip("cupy")
+    from step4_gpt2.model import GPT
+    for bad, match in [(np.array([0, 3]), r"last: position 3 is out of range \[0, 3\)"),
+                       (np.array([-1, 0]), "last: position -1 is out of range"),
+                       (np.array([0, 1, 2]), r"last: expected one integer position per sequence, shape \(2,\)"),
+                       (np.array([0.0, 1.0]), "last: expected one integer position"),
+                       ([[0, 1]], r"shape \(2,\)")]:
+        with pytest.raises(ValueError, match=match):
+            GPT._check_last(bad, 2, 3)
 
 
 def _offline_encoding():
@@ -239,6 +280,70 @@ def test_gemv_v5_fusions(cp, B, N, K):
         gemv(x, Wt, out=y, ln=(b, o))
     with pytest.raises(ValueError, match="must not be x"):
         gemv(x, cp.asarray(rand(K, K, seed=21)), cp.asarray(rand(K, seed=22)), out=x, residual=True)
+
+
+@gpu
+@pytest.mark.sanitize
+def test_gemv_ln_prologue_splits_the_batch_to_fit_shared_memory(cp, monkeypatch):
+    """The LayerNorm prologue keeps nb rows x K floats in shared memory: on a GPU whose per-block limit
+    is 64 KB (T4) a batch of 11 rows of K=4100 (180 KB) must run as several launches, not raise."""
+    from common.reference import gelu, layernorm
+    from step4_gpt2 import model as M
+    real = M.device_info()
+    monkeypatch.setattr(M, "device_info", lambda: {**real, "shared_per_block_optin": 64 << 10})
+    calls = []
+    orig = M._v5_call
+    monkeypatch.setattr(M, "_v5_call", lambda name, N, K, nb, ln, *a, **k: (calls.append((nb, ln)),
+                                                                            orig(name, N, K, nb, ln, *a, **k)))
+    B, N, K = 11, 37, 4100
+    x, Wt, b, g, o = (cp.asarray(rand(*s, seed=40 + i)) for i, s in enumerate([(B, K), (N, K), (N,), (K,), (K,)]))
+    x = x * 3 + 0.5
+    xn = layernorm(x.get().astype(np.float64), g.get(), o.get(), 1e-5)
+    y = poison(cp.empty((B, N), cp.float32))
+    assert_close(M.gemv(x, Wt, b, out=y, ln=(g, o), gelu=True), gelu(xn @ Wt.get().astype(np.float64).T + b.get()),
+                 rtol=1e-5, name="v5 ln+gelu, split batch")
+    assert len(calls) > 2 and sum(nb for nb, _ in calls) == B and all(nb * K * 4 <= 64 << 10 for nb, _ in calls)
+    calls.clear()
+    M.gemv(x, Wt, b, out=y)                          # no prologue: MAXB rows per launch as before
+    assert [nb for nb, _ in calls] == [M.MAXB, B - M.MAXB]
+
+
+@gpu
+def test_kernel_wrappers_name_bad_arguments(cp):
+    from step4_gpt2.model import advance, argmax, embedding, gemv_qkv, kv_cache_fill
+    B, T, H, D = 2, 5, 2, 32
+    C = H * D
+    qkv, bias = cp.asarray(rand(B, T, 3 * C, seed=1)), cp.asarray(rand(3 * C, seed=2))
+    short = cp.empty((B, H, T - 1, D), cp.float32)               # a cache shorter than the prompt
+    with pytest.raises(ValueError, match="k_cache: holds 4 positions per sequence, fewer than the prompt's T=5"):
+        kv_cache_fill(qkv, bias, short, cp.empty_like(short))
+    kc = cp.empty((B, H, 8, D), cp.float32)
+    with pytest.raises(ValueError, match="v_cache: expected shape"):
+        kv_cache_fill(qkv, bias, kc, cp.empty((B, H, 7, D), cp.float32))
+    with pytest.raises(ValueError, match="k_cache: 2 heads x head_dim 16"):
+        kv_cache_fill(qkv, bias, cp.empty((B, H, 8, 16), cp.float32), cp.empty((B, H, 8, 16), cp.float32))
+    with pytest.raises(TypeError, match="qkv: expected a cupy.ndarray"):
+        kv_cache_fill(qkv.get(), bias, kc, kc)
+    x, Wq, q = cp.asarray(rand(B, C, seed=3)), cp.asarray(rand(3 * C, C, seed=4)), cp.empty((B, C), cp.float32)
+    pos = cp.zeros(B, cp.int32)
+    with pytest.raises(TypeError, match="pos: expected dtype int32"):
+        gemv_qkv(x, Wq, bias, q, kc, cp.empty_like(kc), pos.astype(cp.int64))
+    with pytest.raises(ValueError, match="q: expected shape"):
+        gemv_qkv(x, Wq, bias, cp.empty((B, 3 * C), cp.float32), kc, cp.empty_like(kc), pos)
+    with pytest.raises(ValueError, match="k_cache: expected shape"):
+        gemv_qkv(x, Wq, bias, q, kc[:1], cp.empty_like(kc[:1]), pos)
+    wte, wpe = cp.asarray(rand(10, C, seed=5)), cp.asarray(rand(8, C, seed=6))
+    with pytest.raises(ValueError, match="positions: expected shape"):
+        embedding(cp.zeros(3, cp.int32), cp.zeros(2, cp.int32), wte, wpe, cp.empty((3, C), cp.float32))
+    with pytest.raises(TypeError, match="tokens: expected dtype int32"):
+        embedding(cp.zeros(3, cp.int64), cp.zeros(3, cp.int32), wte, wpe, cp.empty((3, C), cp.float32))
+    logits, tok = cp.asarray(rand(B, 10, seed=7)), cp.zeros(B, cp.int32)
+    with pytest.raises(ValueError, match="pos, lens: pass both"):
+        argmax(logits, tok, pos)
+    with pytest.raises(ValueError, match="tokens: expected shape"):
+        argmax(logits, cp.zeros(B + 1, cp.int32))
+    with pytest.raises(ValueError, match="lens: expected shape"):
+        advance(pos, cp.zeros(B + 1, cp.int32))
 
 
 @gpu
@@ -452,6 +557,14 @@ def test_bad_inputs_are_named(cp, small_dir):
         generate(model, [[1]], temperature=-0.5)
     with pytest.raises(TypeError, match=r"x: expected a cupy.ndarray.*NumPy"):
         gemv(np.ones((1, 8), np.float32), model.wte)
+    idx = np.ones((2, 6), np.int32)
+    with pytest.raises(ValueError, match=r"last: position 6 is out of range \[0, 6\)"):
+        model.forward(idx, last=np.array([5, 6]))       # CuPy would silently wrap 6 to position 0
+    with pytest.raises(ValueError, match=r"last: position -1"):
+        model.forward(idx, last=cp.asarray([-1, 0]))
+    with pytest.raises(ValueError, match=r"last: expected one integer position per sequence, shape \(2,\)"):
+        model.forward(idx, last=np.array([5]))
+    assert model.forward(idx, last=cp.asarray([5, 0])).shape == (2, SMALL.vocab_size)
     cfg = W.GPTConfig(n_layer=1, n_head=3, n_embd=96, vocab_size=10, block_size=8)
     with pytest.raises(ValueError, match="head_dim=32|head_dim"):
         GPT(W.GPTConfig(n_layer=1, n_head=1, n_embd=96, vocab_size=10, block_size=8),
