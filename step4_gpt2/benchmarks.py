@@ -144,6 +144,9 @@ def filled_state(model, B: int, ctx: int):
         a[...] = cp.random.default_rng(0).standard_normal(a.shape, dtype=cp.float32) * 0.1
     s.pos[...] = ctx
     s.lens[...] = ctx + 1
+    # The state is filled on the current stream; its users run on their own non-blocking streams, which do
+    # not wait for it. Without this, a step could read pos/lens (and the cache) before they are written.
+    cp.cuda.get_current_stream().synchronize()
     return s
 
 
