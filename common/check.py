@@ -96,7 +96,30 @@ def expect_array(x, name: str, dtype=None, ndim: int | None = None, shape: tuple
     return x
 
 
-def launch_grid(n: int, block: int, max_blocks: int | None = None) -> tuple[int]:
-    """Blocks needed to cover n items with `block` threads each, optionally capped (grid-stride kernels)."""
+def expect_choice(value, name: str, allowed):
+    """Check a choice such as a kernel version or a mode; a ValueError naming the argument otherwise."""
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+def launch_grid(n: int, block: int, max_blocks: int | None = None, per_sm: int | None = None) -> tuple[int]:
+    """Blocks needed to cover n items with `block` threads each. Grid-stride kernels cap the grid: at
+    `max_blocks`, or at `per_sm` blocks for each SM of this GPU (enough to fill it, few enough that each
+    thread loops over several items)."""
     blocks = max(1, -(-n // block))
+    if per_sm:
+        from common.device import device_info
+        cap = device_info()["multiprocessors"] * per_sm
+        max_blocks = min(max_blocks, cap) if max_blocks else cap
     return (min(blocks, max_blocks) if max_blocks else blocks,)
+
+
+def out_array(out, shape, dtype=np.float32, name: str = "out"):
+    """The output buffer of a GPU op: a new uninitialised CuPy array when `out` is None, else `out`
+    checked to be a contiguous CuPy array of this shape and dtype (a named error otherwise)."""
+    import cupy as cp
+    shape = tuple(int(s) for s in shape)
+    if out is None:
+        return cp.empty(shape, dtype=dtype)
+    return expect_array(out, name, dtype=dtype, shape=shape)

@@ -82,6 +82,29 @@ def describe() -> str:
             f"driver {d['driver_version']}, runtime {d['runtime_version']}")
 
 
+# fp32 FMA lanes per SM by compute capability (V100, Xavier, T4 and A100 have 64; sm_61 and sm_86+ have 128)
+FP32_LANES_PER_SM = {60: 64, 70: 64, 72: 64, 75: 64, 80: 64}
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_peak_tflops() -> float | None:
+    """fp32 FMA peak of the current device at its reported boost clock: SMs x fp32 lanes per SM x 2 FLOPs
+    x clock, in TFLOP/s (a ceiling to compare kernels with, from the device's own attributes). None when
+    the driver reports no clock."""
+    require_gpu()
+    rt = cp.cuda.runtime
+    dev = cp.cuda.Device()
+    try:
+        clock_khz = rt.deviceGetAttribute(rt.cudaDevAttrClockRate, dev.id)
+        sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev.id)
+    except rt.CUDARuntimeError:
+        return None
+    if not clock_khz:
+        return None
+    lanes = FP32_LANES_PER_SM.get(int(dev.compute_capability), 128)
+    return 2.0 * sms * lanes * clock_khz * 1e3 / 1e12
+
+
 @functools.lru_cache(maxsize=None)
 def torch_cuda():
     """PyTorch with a usable CUDA device and TF32 switched off (fair fp32 comparisons), or None when torch

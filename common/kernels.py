@@ -105,20 +105,24 @@ _modules: dict = {}
 _recent: dict = {}
 
 
-def load_module(path: str | os.PathLike, defines: dict | None = None, options: tuple = ()):
+def load_module(path: str | os.PathLike, defines: dict | None = None, options: tuple = (),
+                name_expressions: tuple = ()):
     """Compile a `.cu` file on this machine's GPU and return the `cupy.RawModule`.
 
     `defines` become `-DNAME=value` (block and tile sizes are compile-time constants in the course's
     kernels). The file's folder and `common/include` are on the include path. Modules are cached per
     process (re-checked against the files' modification times, so edits take effect); CuPy also caches
-    the binary on disk, keyed by the text (header fingerprint included).
+    the binary on disk, keyed by the text (header fingerprint included). `name_expressions` names the
+    template instantiations to compile (e.g. "layernorm<256>"), which `get_function` then accepts as names.
     """
     import cupy as cp
     from common.device import require_gpu
 
     require_gpu()                           # cached: a clear error without a GPU, cheap with one
     device = cp.cuda.runtime.getDevice()    # a loaded module belongs to one GPU
-    fast_key = (str(path), Path.cwd(), tuple(sorted((defines or {}).items())), tuple(options), device)
+    name_expressions = tuple(name_expressions)
+    fast_key = (str(path), Path.cwd(), tuple(sorted((defines or {}).items())), tuple(options), name_expressions,
+                device)
     hit = _recent.get(fast_key)
     if hit is not None and all(os.stat(f).st_mtime_ns == m for f, m in hit[0]):
         return hit[1]       # wrappers call this on every launch: keep it to a few stat() calls
@@ -126,9 +130,9 @@ def load_module(path: str | os.PathLike, defines: dict | None = None, options: t
     path = resolve(path)
     code = _source(path)
     opts = (*BASE_OPTIONS, *(f"-I{d}" for d in _include_dirs(path)), *_define_options(defines), *options)
-    key = (code, opts, device)
+    key = (code, opts, name_expressions, device)
     if key not in _modules:
-        module = cp.RawModule(code=code, options=opts)
+        module = cp.RawModule(code=code, options=opts, name_expressions=name_expressions or None)
         try:
             module.compile()
         except cp.cuda.compiler.CompileException as e:
@@ -142,14 +146,40 @@ def load_module(path: str | os.PathLike, defines: dict | None = None, options: t
 _kernels: dict = {}
 
 
-def get_kernel(path: str | os.PathLike, name: str, defines: dict | None = None):
-    """One kernel of a `.cu` file, cached: `load_module(path, defines).get_function(name)` for code that
-    launches per token or inside timing loops (a lookup costs a dict access and a few stat() calls)."""
-    module = load_module(path, defines)
+def get_kernel(path: str | os.PathLike, name: str, defines: dict | None = None, options: tuple = ()):
+    """The one way the course gets a kernel: `name` from the `.cu` file at `path`, compiled with `defines`
+    (`-DNAME=value`) and cached. Cheap enough to call on every launch (a dict access and a few stat() calls).
+
+    `name` is either an `extern "C"` kernel or a template instantiation such as `"layernorm<256, true>"`,
+    which CuPy compiles through `name_expressions`, so templated kernels need no hand-written wrappers.
+    """
+    templated = "<" in name
+    module = load_module(path, defines, options, name_expressions=(name,) if templated else ())
     key = (id(module), name)
     if key not in _kernels:
         _kernels[key] = (module, module.get_function(name))   # keep module alive: id() stays unique
     return _kernels[key][1]
+
+
+def capture_graph(fn, stream=None):
+    """A CUDA graph of the GPU work that `fn()` enqueues on `stream` (a non-blocking stream made here when
+    None): recorded, not run; replay it with `graph.launch(stream)`. Run `fn` once before capturing so
+    kernels are compiled and buffers allocated: neither may happen during a capture. The capture is closed
+    even when `fn` raises (CuPy refuses cuBLAS calls inside one), so the stream stays usable, and the
+    original error is the one reported."""
+    import cupy as cp
+    stream = cp.cuda.Stream(non_blocking=True) if stream is None else stream
+    stream.begin_capture()
+    try:
+        with stream:
+            fn()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:
+            pass
+        raise
+    return stream.end_capture()
 
 
 def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
