@@ -1,4 +1,5 @@
 """pytest set-up for the whole course: GPU tests and notebooks skip with a visible reason without a GPU."""
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+# The notebooks' kernels (nbval) are new processes: they find the course through `pip install -e .`, or, in a
+# checkout that was not installed, through this.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 from common.device import describe, skip_reason  # noqa: E402
 

@@ -121,5 +121,7 @@ def out_array(out, shape, dtype=np.float32, name: str = "out"):
     import cupy as cp
     shape = tuple(int(s) for s in shape)
     if out is None:
+        from common.device import require_gpu
+        require_gpu()
         return cp.empty(shape, dtype=dtype)
     return expect_array(out, name, dtype=dtype, shape=shape)

@@ -12,17 +12,57 @@ else:
     _IMPORT_ERROR = None
 
 
+def _cuda(v: int) -> str:
+    """CUDA's version number (12090) as people write it (12.9)."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def driver_too_old(driver: int, runtime: int) -> str:
+    """The message for a driver older than the CUDA this CuPy build needs (versions as CUDA numbers, 12090)."""
+    return (f"the NVIDIA driver supports CUDA {_cuda(driver)}, but this CuPy build needs CUDA {_cuda(runtime)} "
+            f"(CUDA {runtime // 1000}.x runs on any driver made for CUDA {runtime // 1000}.0 or newer): "
+            f"update the NVIDIA driver" + (" to version 525 or newer" if runtime // 1000 == 12 else "")
+            + " (`nvidia-smi` shows the installed one)")
+
+
 @functools.lru_cache(maxsize=None)
 def skip_reason() -> str | None:
-    """None when a CUDA GPU is usable, else a sentence saying why not (used for every GPU skip)."""
+    """None when a CUDA GPU is usable, else a sentence saying what was found and what to do (used for every
+    GPU skip and by require_gpu). Asks the CUDA runtime for versions only, before any GPU work."""
     if cp is None:
-        return _IMPORT_ERROR + "; install the course requirements (pip install -r requirements.txt)"
+        return _IMPORT_ERROR + "; install the course: pip install -e . -r requirements.txt"
+    rt = cp.cuda.runtime
     try:
-        if not cp.cuda.is_available():
-            return "no CUDA GPU is visible to CuPy (no NVIDIA driver or no device on this machine)"
-        cp.cuda.runtime.getDeviceCount()
+        runtime = rt.runtimeGetVersion()        # the CUDA version this CuPy build runs on
+        driver = rt.driverGetVersion()          # 0 when libcuda (the driver) cannot be loaded
     except Exception as e:
         return f"CUDA is not usable here ({type(e).__name__}: {e})"
+    if driver == 0:
+        return ("no NVIDIA driver found (libcuda could not be loaded): this machine has no NVIDIA GPU or its "
+                "driver is not installed; on a cloud notebook, choose a GPU runtime")
+    if driver // 1000 < runtime // 1000:
+        return driver_too_old(driver, runtime)
+    try:
+        count = rt.getDeviceCount()
+    except Exception as e:
+        if "InsufficientDriver" in str(e):
+            return driver_too_old(driver, runtime)
+        if "NoDevice" in str(e):
+            count = 0
+        else:
+            return f"CUDA is not usable here ({type(e).__name__}: {e})"
+    if count == 0:
+        return (f"the NVIDIA driver (CUDA {_cuda(driver)}) sees no GPU: check `nvidia-smi`, and that "
+                f"CUDA_VISIBLE_DEVICES does not hide it")
+    try:
+        compiler = tuple(int(x) for x in _nvrtc_version().split("."))
+    except ValueError:      # no NVRTC at all: the first compile says so, with CuPy's own message
+        compiler = None
+    if compiler and compiler[0] > driver // 1000:
+        return (f"CuPy found NVRTC {compiler[0]}.{compiler[1]} (the run-time compiler), newer than what the driver "
+                f"supports (CUDA {_cuda(driver)}), so kernels it compiles would not load; another package "
+                f"(often a torch built for CUDA {compiler[0]}) installed it: install torch's CUDA "
+                f"{runtime // 1000} build instead (docs/environment.md), or update the driver")
     return None
 
 
@@ -31,10 +71,12 @@ def gpu_available() -> bool:
 
 
 def require_gpu() -> None:
-    """Raise a RuntimeError that says what is missing, for code that cannot run without a GPU."""
+    """Raise a RuntimeError that says what was found and what to do; every GPU entry point of the course
+    calls this before its first CUDA call (cached: free after the first call)."""
     reason = skip_reason()
     if reason:
-        raise RuntimeError(f"This needs an NVIDIA GPU: {reason}. See docs/environment.md.")
+        raise RuntimeError(f"This needs an NVIDIA GPU with a working driver: {reason}. "
+                           f"See docs/environment.md, 'No GPU or an old driver'.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,7 +121,15 @@ def describe() -> str:
     d = device_info()
     return (f"{d['name']} (sm_{d['sm']}, {d['multiprocessors']} SMs, L2 {d['l2_bytes'] / 2**20:.0f} MiB, "
             f"{d['memory_bytes'] / 2**30:.0f} GiB), CuPy {d['cupy_version']}, "
-            f"driver {d['driver_version']}, runtime {d['runtime_version']}")
+            f"driver {d['driver_version']}, runtime {d['runtime_version']}, NVRTC {_nvrtc_version()}")
+
+
+def _nvrtc_version() -> str:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        return ".".join(map(str, nvrtc.getVersion()))
+    except Exception as e:
+        return f"not loadable ({type(e).__name__})"
 
 
 # fp32 FMA lanes per SM by compute capability (V100, Xavier, T4 and A100 have 64; sm_61 and sm_86+ have 128)

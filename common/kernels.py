@@ -3,7 +3,8 @@
 One way to do each thing:
 - `load_module(path, defines=...)` -> a compiled `cupy.RawModule`; `module.get_function(name)` gets a kernel.
 - `compile_offline(path, arch)` -> a `CompileReport` with registers / shared memory / spills per kernel,
-  made by NVRTC (the compiler CuPy uses) on any machine, driver or not. CI compiles every `.cu` this way.
+  made by NVRTC (the compiler CuPy uses, through CuPy's own binding) on any machine, driver or not. CI
+  compiles every `.cu` this way.
 
 Both prepend `#line 1 "<file>"` so compiler messages name the real file and line, and both raise
 `KernelCompileError` with the offending source line quoted.
@@ -24,7 +25,8 @@ ARCHS = (70, 75, 80, 86, 89, 90)
 BASE_OPTIONS = ("--std=c++17",)
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
-_DIAG_RE = re.compile(r'^(?P<file>[^\n()]+)\((?P<line>\d+)\): (?P<kind>error|warning)[^:]*: (?P<msg>.*)$', re.M)
+_DIAG_RE = re.compile(r'^(?P<file>[^\n()]+)\((?P<line>\d+)\): (?P<kind>(?:catastrophic )?error|warning)[^:]*: '
+                      r'(?P<msg>.*)$', re.M)
 
 
 class KernelCompileError(RuntimeError):
@@ -84,7 +86,7 @@ def _explain(log: str, what: str) -> str:
     """Turn a compiler log into 'file:line: error: msg' + the quoted source line, errors first."""
     out = []
     for m in _DIAG_RE.finditer(log):
-        if m["kind"] != "error":
+        if "error" not in m["kind"]:
             continue
         file, line = m["file"].strip(), int(m["line"])
         src = None
@@ -168,6 +170,8 @@ def capture_graph(fn, stream=None):
     even when `fn` raises (CuPy refuses cuBLAS calls inside one), so the stream stays usable, and the
     original error is the one reported."""
     import cupy as cp
+    from common.device import require_gpu
+    require_gpu()
     stream = cp.cuda.Stream(non_blocking=True) if stream is None else stream
     stream.begin_capture()
     try:
@@ -246,7 +250,8 @@ class CompileReport:
 def _runtime_include() -> Path:
     """The CUDA headers shipped by the nvidia-cuda-runtime wheel (CUDA 12 and 13 wheel layouts)."""
     import importlib.util
-    for mod, sub in (("nvidia.cuda_runtime", "include"), ("nvidia.cu13", "include")):
+    wheels = (("nvidia.cuda_runtime", "include"), ("nvidia.cu13", "include"))   # CUDA 12, CUDA 13 layouts
+    for mod, sub in (wheels if nvrtc_version()[0] < 13 else wheels[::-1]):      # the NVRTC's own headers first
         spec = importlib.util.find_spec(mod)
         if spec and spec.submodule_search_locations:
             for loc in spec.submodule_search_locations:
@@ -255,8 +260,8 @@ def _runtime_include() -> Path:
     for home in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if home and (Path(home) / "include" / "cuda_runtime.h").is_file():
             return Path(home) / "include"
-    raise RuntimeError("CUDA headers not found: install the nvidia-cuda-runtime wheel "
-                       "(it comes with `cupy-cuda12x[ctk]`, see requirements.txt)")
+    raise RuntimeError("CUDA headers not found: install the nvidia-cuda-runtime-cu12 wheel "
+                       "(requirements.txt lists it)")
 
 
 _PTXAS_FUNC = re.compile(r"Function properties for (\S+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
@@ -265,41 +270,50 @@ _PTXAS_USED = re.compile(r"Compiling entry function '(\S+)'.*?Used (\d+) registe
                          r"(?:, (\d+) bytes smem)?", re.S)
 
 
+def _nvrtc():
+    """CuPy's own binding of NVRTC, the run-time compiler it uses on the GPU: it loads without a driver, so the
+    same compiler compiles and sizes kernels on any machine (the CUDA 12 NVRTC that `cupy-cuda12x` brings
+    targets sm_70 .. sm_90)."""
+    from cupy_backends.cuda.libs import nvrtc
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
+
+
 def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | None = None,
                     options: tuple = ()) -> CompileReport:
     """Compile with NVRTC for sm_<arch> without a GPU or driver; report resources per kernel.
 
     Raises KernelCompileError on an error. Warnings are returned in `report.warnings` (CI fails on them).
     """
-    from cuda.bindings import nvrtc
-
+    nvrtc = _nvrtc()
+    version = ".".join(map(str, nvrtc_version()))
     if arch not in supported_archs():
-        raise ValueError(f"arch: this NVRTC ({'.'.join(map(str, nvrtc.nvrtcVersion()[1:]))}) compiles for "
+        raise ValueError(f"arch: this NVRTC ({version}) compiles for "
                          f"sm_{', sm_'.join(map(str, supported_archs()))}, not sm_{arch}")
     path = resolve(path)
-    code = _source(path).encode()
+    code = _source(path)
     # NVRTC >= 12.9 caches compilations, and a cache hit skips ptxas and so prints no resource report.
-    no_cache = ["--no-cache"] if tuple(nvrtc.nvrtcVersion()[1:]) >= (12, 9) else []
+    no_cache = ["--no-cache"] if nvrtc_version() >= (12, 9) else []
     opts = [f"--gpu-architecture=sm_{arch}", *BASE_OPTIONS, "--ptxas-options=-v", *no_cache,
             *(f"-I{d}" for d in _include_dirs(path)), f"-I{_runtime_include()}",
             *_define_options(defines), *options]
-    err, prog = nvrtc.nvrtcCreateProgram(code, _display_name(path).encode(), 0, [], [])
-    _check_nvrtc(err, nvrtc)
+    prog = nvrtc.createProgram(code, _display_name(path), (), ())
     try:
-        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        # A fresh, mutable buffer: NVRTC writes into it. (Never `b" " * size`: for size 1 CPython returns
-        # its shared one-byte object, and NVRTC's NUL would then corrupt every b" " in the process.)
-        buf = bytearray(max(size, 1))
-        if size > 1:
-            nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = bytes(buf).decode(errors="replace").rstrip("\x00 \n")
+        try:
+            nvrtc.compileProgram(prog, tuple(opts))
+            ok = True
+        except nvrtc.NVRTCError:
+            ok = False
+        log = nvrtc.getProgramLog(prog).rstrip("\x00 \n")
     finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        nvrtc.destroyProgram(prog)
+    if not ok:
         raise KernelCompileError(_explain(log, f"{_display_name(path)} (sm_{arch})"))
     report = CompileReport(_display_name(path), arch, dict(defines or {}), log=log)
-    # NVRTC warns that sm_70 is deprecated in CUDA 12.9; that is a fact of the arch list, not of the code.
+    # NVRTC warns that archs before sm_75 are deprecated; that is a fact of the arch list, not of the code.
     report.warnings = [ln for ln in log.splitlines()
                        if "warning" in ln and "deprecated" not in ln and not ln.startswith("ptxas info")]
     for m in _PTXAS_USED.finditer(log):
@@ -307,23 +321,15 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
     for m in _PTXAS_FUNC.finditer(log):
         k = report.kernels.setdefault(m[1], KernelResources(m[1]))
         k.stack_bytes, k.spill_stores, k.spill_loads = int(m[2]), int(m[3]), int(m[4])
-    if "__global__" in code.decode() and not report.kernels:
-        raise RuntimeError(f"NVRTC {'.'.join(map(str, nvrtc.nvrtcVersion()[1:]))} compiled {_display_name(path)} "
+    if "__global__" in code and not report.kernels:
+        raise RuntimeError(f"NVRTC {version} compiled {_display_name(path)} "
                            f"for sm_{arch} but gave no ptxas resource report; its log was: {log!r}")
     return report
 
 
 def supported_archs() -> tuple:
-    """The sm_XX numbers the installed NVRTC can target (CUDA 13 dropped sm_70; CUDA 12.9 has them all)."""
-    from cuda.bindings import nvrtc
-    err, archs = nvrtc.nvrtcGetSupportedArchs()
-    _check_nvrtc(err, nvrtc)
-    return tuple(int(a) for a in archs)
-
-
-def _check_nvrtc(err, nvrtc) -> None:
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"NVRTC call failed: {err}")
+    """The sm_XX numbers the loaded NVRTC can target (CUDA 12's has sm_70 .. sm_90; CUDA 13 dropped sm_70)."""
+    return tuple(int(a) for a in _nvrtc().getSupportedArchs())
 
 
 def kernel_source(path: str | os.PathLike, name: str) -> str:

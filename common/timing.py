@@ -102,6 +102,8 @@ def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None
             t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
         return Timing(name, times, list(times), bytes, flops)
 
+    from common.device import require_gpu
+    require_gpu()                  # a clear message without a GPU or with an old driver, not a CUDA error
     import cupy as cp
     stream = cp.cuda.get_current_stream()
     for _ in range(warmup):
@@ -138,6 +140,8 @@ def copy_bandwidth() -> float:
     This is the roofline for the course's memory-bound kernels: a kernel that reads and writes each byte
     once cannot beat a plain copy by much.
     """
+    from common.device import require_gpu
+    require_gpu()
     import cupy as cp
     free, _ = cp.cuda.runtime.memGetInfo()
     nbytes = min(1 << 30, free // 8) // 16 * 16

@@ -6,22 +6,19 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, launch_grid, get_kernel, device_info
+from common import expect_array, expect_choice, get_kernel, launch_grid, out_array
 
 HERE = Path(__file__).resolve().parent
 VERSIONS = (1, 2, 3, 4)
+SUM_VERSIONS = (1, 2, 3)
+UNROLLS = (1, 2, 4, 8)          # float4 loads in flight per thread (axpb v4, sum v3)
+SUM_BLOCKS = (64, 128, 256, 512, 1024)
 
 
-def _out(out, like, name="out"):
-    import cupy as cp
-    if out is None:
-        return cp.empty_like(like)
-    return expect_array(out, name, dtype=like.dtype, shape=like.shape)
-
-
-def _grid_stride_blocks(block: int, per_sm: int = 8) -> int:
-    """A grid-stride kernel needs just enough blocks to fill every SM a few times over."""
-    return device_info()["multiprocessors"] * per_sm * max(1, 1024 // block) // 4
+def _per_sm(block: int) -> int:
+    """Blocks per SM for a grid-stride launch: 2048 threads' worth, enough to fill an SM (each thread
+    then loops over several elements)."""
+    return max(2, 2048 // block)
 
 
 def _head(ptr: int, n: int) -> int:
@@ -34,9 +31,8 @@ def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, gr
     """y = a*x + b on a float32 GPU vector, with kernel axpb_v<version> of axpb.cu (`unroll`: v4's
     float4 loads in flight per thread)."""
     x = expect_array(x, "x", dtype=np.float32, ndim=1)
-    y = _out(out, x)
-    if version not in VERSIONS:
-        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    y = out_array(out, x.shape)
+    expect_choice(version, "version", VERSIONS)
     if not (32 <= block <= 1024 and block % 32 == 0):
         raise ValueError(f"block: expected a multiple of 32 between 32 and 1024, got {block}")
     n = x.size
@@ -47,13 +43,12 @@ def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, gr
         version = 2     # x and y sit at different offsets from a 16-byte boundary: no common float4 view
     if version >= 3:
         args.append(np.int32(_head(x.data.ptr, n)))
-    if unroll not in (1, 2, 4, 8):
-        raise ValueError(f"unroll: expected 1, 2, 4 or 8, got {unroll}")
+    expect_choice(unroll, "unroll", UNROLLS)
     kernel = get_kernel(HERE / "axpb.cu", f"axpb_v{version}", {"UNROLL": unroll})
     if version == 1:
         blocks = launch_grid(n, block)
     else:
-        blocks = (grid or _grid_stride_blocks(block),)
+        blocks = (grid,) if grid else launch_grid(n, block, per_sm=_per_sm(block))
     kernel(blocks, (block,), tuple(args))
     return y
 
@@ -68,8 +63,7 @@ def zoo(op: str, *inputs, scalar: float | None = None, out=None, shape=None, blo
     contiguous); add_scalar/mul_scalar take one array and `scalar`; fill takes `scalar` and `out` or `shape`."""
     import cupy as cp
     arity = {**{o: 1 for o in ZOO_UNARY}, **{o: 2 for o in ZOO_BINARY}, **{o: 1 for o in ZOO_SCALAR}, "fill": 0}
-    if op not in arity:
-        raise ValueError(f"op: expected one of {sorted(arity)}, got {op!r}")
+    expect_choice(op, "op", sorted(arity))
     if len(inputs) != arity[op]:
         raise TypeError(f"zoo({op!r}): expected {arity[op]} input array(s), got {len(inputs)}")
     for i, a in enumerate(inputs):
@@ -85,14 +79,14 @@ def zoo(op: str, *inputs, scalar: float | None = None, out=None, shape=None, blo
             out = cp.empty(shape, dtype=cp.float32)
         y = expect_array(out, "out", dtype=np.float32)
     else:
-        y = _out(out, inputs[0])
+        y = out_array(out, inputs[0].shape)
     n = y.size
     if n == 0:
         return y
     args = (*inputs, np.float32(scalar), y) if op in ZOO_SCALAR else \
            ((np.float32(scalar), y) if op == "fill" else (*inputs, y))
     kernel = get_kernel(HERE / "zoo.cu", f"zoo_{op}")
-    kernel((min(launch_grid(n, block)[0], _grid_stride_blocks(block)),), (block,), (*args, np.int64(n)))
+    kernel(launch_grid(n, block, per_sm=_per_sm(block)), (block,), (*args, np.int64(n)))
     return y
 
 
@@ -101,11 +95,10 @@ def mul_add_gelu(x, w, b, out=None, block: int = 256):
     x = expect_array(x, "x", dtype=np.float32)
     w = expect_array(w, "w", dtype=np.float32, shape=x.shape)
     b = expect_array(b, "b", dtype=np.float32, shape=x.shape)
-    y = _out(out, x)
+    y = out_array(out, x.shape)
     if x.size:
         kernel = get_kernel(HERE / "fusion.cu", "mul_add_gelu")
-        kernel((min(launch_grid(x.size, block)[0], _grid_stride_blocks(block)),), (block,),
-               (x, w, b, y, np.int64(x.size)))
+        kernel(launch_grid(x.size, block, per_sm=_per_sm(block)), (block,), (x, w, b, y, np.int64(x.size)))
     return y
 
 
@@ -114,22 +107,18 @@ def total(x, version: int = 3, block: int = 256, grid: int | None = None, unroll
     (`unroll`: v3's float4 loads in flight per thread.)"""
     import cupy as cp
     x = expect_array(x, "x", dtype=np.float32, ndim=1)
-    if version not in (1, 2, 3):
-        raise ValueError(f"version: expected 1, 2 or 3, got {version!r}")
-    if block not in (64, 128, 256, 512, 1024):
-        raise ValueError(f"block: expected a power of two between 64 and 1024, got {block}")
+    expect_choice(version, "version", SUM_VERSIONS)
+    expect_choice(block, "block", SUM_BLOCKS)
     n = x.size
     out = cp.zeros((), dtype=cp.float32)
     if n == 0:
         return out
-    if unroll not in (1, 2, 4, 8):
-        raise ValueError(f"unroll: expected 1, 2, 4 or 8, got {unroll}")
-    defines = {"BLOCK": block, "UNROLL": unroll}
-    blocks = grid or min(_grid_stride_blocks(block), launch_grid(n, block)[0])
+    expect_choice(unroll, "unroll", UNROLLS)
+    kernel = get_kernel(HERE / "reduce.cu", f"sum_v{version}", {"BLOCK": block, "UNROLL": unroll})
+    blocks = grid or launch_grid(n, block, per_sm=_per_sm(block))[0]
     if version == 3:
-        get_kernel(HERE / "reduce.cu", "sum_v3", defines)((blocks,), (block,), (x, out, np.int64(n), np.int32(_head(x.data.ptr, n))))
+        kernel((blocks,), (block,), (x, out, np.int64(n), np.int32(_head(x.data.ptr, n))))
         return out
-    kernel = get_kernel(HERE / "reduce.cu", f"sum_v{version}", defines)
     partial = cp.empty(blocks, dtype=cp.float32)
     kernel((blocks,), (block,), (x, partial, np.int64(n)))
     kernel((1,), (block,), (partial, out, np.int64(blocks)))

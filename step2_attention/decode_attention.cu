@@ -15,19 +15,22 @@
 // The valid length of every sequence is read from `lengths` on the device, never on the host, so a
 // CUDA graph captured once replays with new lengths; blocks whose chunk starts past the length write
 // an empty partial (m = -inf, l = 0) and return. Layout: q (B, H, D), caches (B, H, Lmax, D), out (B, H, D).
-// Compile-time knob: HEAD_DIM (32, 64 or 128; default 64).
+// Compile-time knobs: HEAD_DIM (32, 64 or 128; default 64), WARPS (warps per block of decode_split, 4).
 #include "course.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
 #endif
+#ifndef WARPS
+#define WARPS 4
+#endif
 #define D HEAD_DIM
 #define G (D / 8)                 // lanes per key
 #define KPW (32 / G)              // keys per warp step
-#define DEC_WARPS 4
 #define NEG_INF __int_as_float(0xff800000)
 
 static_assert(D % 32 == 0 && D <= 128, "HEAD_DIM must be 32, 64 or 128");
+static_assert(WARPS * 32 >= D, "the final merge needs a thread per output dim");
 
 // merge online-softmax state (m, l, acc) with another one (mo, lo, acco)
 __device__ __forceinline__ void merge(float& m, float& l, float (&acc)[8], float mo, float lo, const float (&acco)[8]) {
@@ -40,11 +43,11 @@ __device__ __forceinline__ void merge(float& m, float& l, float (&acc)[8], float
     m = mn;
 }
 
-extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
 decode_split(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
              const int* __restrict__ lengths, float* __restrict__ out, float* __restrict__ partial,
              int H, int Lmax, int chunk, float scale_log2) {
-    __shared__ float st[DEC_WARPS][D + 2];
+    __shared__ float st[WARPS][D + 2];
     const int bh = blockIdx.x, b = bh / H, split = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, grp = lane / G, sub = lane % G;
     const int len = min(max(lengths[b], 0), Lmax);
@@ -65,7 +68,7 @@ decode_split(const float* __restrict__ q, const float* __restrict__ kc, const fl
 
     // the loop bound is the same for the whole warp: the shuffles below need every lane
 #pragma unroll 2
-    for (int j0 = start + warp * KPW; j0 < end; j0 += DEC_WARPS * KPW) {
+    for (int j0 = start + warp * KPW; j0 < end; j0 += WARPS * KPW) {
         const int j = j0 + grp;
         const bool valid = j < end;
         float4 k0 = make_float4(0.f, 0.f, 0.f, 0.f), k1 = k0, v0 = k0, v1 = k0;
@@ -109,11 +112,11 @@ decode_split(const float* __restrict__ q, const float* __restrict__ kc, const fl
     if (tid < D) {
         float M = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, st[w][D]);
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, st[w][D]);
         const float mu = M == NEG_INF ? 0.0f : M;
         float L = 0.0f, O = 0.0f;
 #pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) {
+        for (int w = 0; w < WARPS; ++w) {
             const float e = exp2f(st[w][D] - mu);
             L += e * st[w][D + 1];
             O += e * st[w][tid];

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, get_kernel, require_arch, device_info
+from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, get_kernel, out_array,
+                    require_arch)
 
 HERE = Path(__file__).resolve().parent
 VERSIONS = (1, 2, 3)
@@ -21,6 +22,9 @@ HEAD_DIMS = (32, 64)
 LOG2E = 1.4426950408889634
 # tile sizes of flash_attention.cu v2/v3 (compile-time defines; benchmarks_flash.py can sweep them)
 TILES = {"BR": 64, "BC": 64, "TM": 4}
+V1_ROWS = 4             # flash_v1: query rows per block, one warp each
+DECODE_VERSIONS = (1, 2)
+DECODE_WARPS = 4        # decode_split: warps per block
 
 
 def _ptr(a) -> np.uint64:
@@ -48,15 +52,6 @@ def smem_fits(nbytes: int) -> bool:
     return nbytes <= device_info()["shared_per_block_optin"]
 
 
-def _check_smem(nbytes: int, tiles: dict, d: int) -> None:
-    if not smem_fits(nbytes):
-        info = device_info()
-        raise ValueError(
-            f"tiles: {tiles} at head dim D={d} need {nbytes:,} B of shared memory per block; this GPU "
-            f"({info['name']}) allows at most {info['shared_per_block_optin']:,} B (sharedMemPerBlockOptin): "
-            f"pass smaller tiles")
-
-
 def _check_grid(heads: int, name: str) -> None:
     if heads > 65535:
         raise ValueError(f"{name} = {heads} exceeds the grid's 65535 (gridDim.y); split the batch")
@@ -71,12 +66,16 @@ def _check_aligned(**arrays) -> None:
 
 def fp32_kernel(version: int, d: int, tiles: dict | None = None):
     """(kernel, threads per block, dynamic shared bytes) of flash_attention.cu's flash_v<version> at head
-    dim d: exactly what flash_attention launches (the notebook reads its resources from it)."""
+    dim d: exactly what flash_attention launches (the notebook reads its resources from it). Raises
+    ValueError when the tiles need more shared memory than the GPU has."""
+    expect_choice(version, "version", VERSIONS)
     t = tiles or TILES
-    kernel = get_kernel(HERE / "flash_attention.cu", f"flash_v{version}", {"HEAD_DIM": d, **t})
+    kernel = get_kernel(HERE / "flash_attention.cu", f"flash_v{version}", {"HEAD_DIM": d, "V1_ROWS": V1_ROWS, **t})
     if version == 1:
-        return kernel, 128, 0
-    return kernel, (t["BR"] // t["TM"]) * 8, fp32_smem_bytes(d, t)
+        return kernel, 32 * V1_ROWS, 0
+    smem = fp32_smem_bytes(d, t)
+    allow_dynamic_smem(kernel, smem, f"tiles: {t} at head dim D={d}")
+    return kernel, (t["BR"] // t["TM"]) * 8, smem
 
 
 def _scale(scale, d) -> float:
@@ -87,11 +86,7 @@ def _scale(scale, d) -> float:
 
 
 def _launch_fp32(q, k, v, bias, out, B, H, T, d, strides, ostrides, scale, causal, version, tiles=None):
-    if version not in VERSIONS:
-        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     t = tiles or TILES
-    if version != 1:
-        _check_smem(fp32_smem_bytes(d, t), t, d)
     if version == 3 and any(a.data.ptr % 16 for a in (q, k, v, out)):
         version = 2    # float4 loads need 16-byte aligned rows
     bq, bk, bv = bias if bias is not None else (None, None, None)
@@ -100,25 +95,21 @@ def _launch_fp32(q, k, v, bias, out, B, H, T, d, strides, ostrides, scale, causa
             *(np.int64(s) for s in strides), *(np.int64(s) for s in ostrides),
             np.float32(scale * LOG2E), np.int32(bool(causal)))
     kernel, threads, smem = fp32_kernel(version, d, t)
-    if version == 1:
-        kernel((-(-T // 4), B * H), (threads,), args)
-    else:
-        kernel.max_dynamic_shared_size_bytes = smem
-        kernel((-(-T // t["BR"]), B * H), (threads,), args, shared_mem=smem)
+    rows = V1_ROWS if version == 1 else t["BR"]     # query rows per block
+    kernel((-(-T // rows), B * H), (threads,), args, shared_mem=smem)
     return out
 
 
 def flash_attention(q, k, v, causal: bool = True, scale: float | None = None, out=None, version: int = BEST,
                     tiles: dict | None = None):
     """Fused attention, fp32, q/k/v/out (B, H, T, D) contiguous, D in {32, 64}; softmax(q k^T * scale) v."""
-    import cupy as cp
     q = expect_array(q, "q", dtype=np.float32, ndim=4)
     B, H, T, d = q.shape
     if d not in HEAD_DIMS:
         raise ValueError(f"q: expected head dim D in {HEAD_DIMS}, got shape {q.shape}")
     k = expect_array(k, "k", dtype=np.float32, shape=q.shape)
     v = expect_array(v, "v", dtype=np.float32, shape=q.shape)
-    out = cp.empty_like(q) if out is None else expect_array(out, "out", dtype=np.float32, shape=q.shape)
+    out = out_array(out, q.shape)
     if q.size == 0:
         return out
     _check_grid(B * H, "q: B*H")
@@ -131,7 +122,6 @@ def flash_attention_qkv(qkv, n_head: int, causal: bool = True, bias=None, out=No
     """Attention straight from GPT-2's c_attn output: qkv (B, T, 3C) fp32 = [q | k | v] along the last
     axis, head h at columns h*D .. h*D+D-1 of each C block; optional bias (3C,) is added while loading.
     Returns the merged-heads output (B, T, C), ready for c_proj. No permute, one launch."""
-    import cupy as cp
     qkv = expect_array(qkv, "qkv", dtype=np.float32, ndim=3)
     B, T, C3 = qkv.shape
     if C3 % 3:
@@ -144,8 +134,7 @@ def flash_attention_qkv(qkv, n_head: int, causal: bool = True, bias=None, out=No
         raise ValueError(f"n_head: head dim C/n_head = {d}, expected one of {HEAD_DIMS}")
     if bias is not None:
         bias = expect_array(bias, "bias", dtype=np.float32, shape=(C3,))
-    out = cp.empty((B, T, C), dtype=cp.float32) if out is None else \
-        expect_array(out, "out", dtype=np.float32, shape=(B, T, C))
+    out = out_array(out, (B, T, C))
     if qkv.size == 0:
         return out
     _check_grid(B * n_head, "qkv: B*n_head")
@@ -183,10 +172,11 @@ def tc_kernel(bf16: bool, d: int, tiles: dict | None = None):
     """(kernel, threads per block, dynamic shared bytes) of flash_attention_tc.cu at head dim d: what
     flash_attention_tc launches. Raises ValueError when the tiles need more shared memory than the GPU has."""
     t = tiles or TC_TILES
+    kernel = get_kernel(HERE / "flash_attention_tc.cu", "flash_tc_bf16" if bf16 else "flash_tc_fp16",
+                        {"HEAD_DIM": d, **t})
     smem = tc_smem_bytes(d, t)
-    _check_smem(smem, t, d)
-    name = "flash_tc_bf16" if bf16 else "flash_tc_fp16"
-    return get_kernel(HERE / "flash_attention_tc.cu", name, {"HEAD_DIM": d, **t}), 32 * t["WARPS"], smem
+    allow_dynamic_smem(kernel, smem, f"tiles: {t} at head dim D={d}")
+    return kernel, 32 * t["WARPS"], smem
 
 
 def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None, out=None, tiles: dict | None = None,
@@ -206,7 +196,7 @@ def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None,
         raise ValueError(f"q: expected head dim D in (32, 64, 128), got shape {q.shape}")
     k = expect_array(k, "k", dtype=q.dtype, shape=q.shape)
     v = expect_array(v, "v", dtype=q.dtype, shape=q.shape)
-    out = cp.empty_like(q) if out is None else expect_array(out, "out", dtype=q.dtype, shape=q.shape)
+    out = out_array(out, q.shape, q.dtype)
     bf16 = _is_bf16(q)
     if bf16:
         require_arch(80, "bf16 tensor cores (mma.sync m16n8k16.bf16)")
@@ -226,7 +216,6 @@ def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None,
     _check_aligned(q=q, k=k, v=v, out=out)   # cp.async / uint4 copies: a misaligned view would fault
     t = tiles or TC_TILES
     kernel, threads, smem = tc_kernel(bf16, d, t)
-    kernel.max_dynamic_shared_size_bytes = smem
     kernel((-(-T // (16 * t["WARPS"])), B * H), (threads,),
            (q, k, v, out, np.int32(T), np.float32(_scale(scale, d) * LOG2E), np.int32(bool(causal))),
            shared_mem=smem)
@@ -260,9 +249,8 @@ def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None
     Lmax = k_cache.shape[2]
     v_cache = expect_array(v_cache, "v_cache", dtype=np.float32, shape=(B, H, Lmax, d))
     lengths = expect_array(lengths, "lengths", dtype=np.int32, shape=(B,))
-    out = cp.empty_like(q) if out is None else expect_array(out, "out", dtype=np.float32, shape=q.shape)
-    if version not in (1, 2):
-        raise ValueError(f"version: expected 1 or 2, got {version!r}")
+    out = out_array(out, q.shape)
+    expect_choice(version, "version", DECODE_VERSIONS)
     _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)   # float4 loads
     if Lmax == 0:
         raise ValueError(f"k_cache: expected at least one cache row, got shape {k_cache.shape}")
@@ -275,8 +263,9 @@ def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None
     partial = _workspaces[key] if n_split > 1 else None
     args = (q, k_cache, v_cache, lengths, out, _ptr(partial), np.int32(H), np.int32(Lmax), np.int32(chunk),
             np.float32(_scale(scale, d) * LOG2E))
-    get_kernel(HERE / "decode_attention.cu", "decode_split", {"HEAD_DIM": d})((B * H, n_split), (128,), args)
+    defines = {"HEAD_DIM": d, "WARPS": DECODE_WARPS}
+    get_kernel(HERE / "decode_attention.cu", "decode_split", defines)((B * H, n_split), (32 * DECODE_WARPS,), args)
     if n_split > 1:
-        get_kernel(HERE / "decode_attention.cu", "decode_combine", {"HEAD_DIM": d})(
+        get_kernel(HERE / "decode_attention.cu", "decode_combine", defines)(
             (B * H,), (d,), (partial, out, np.int32(n_split)))
     return out

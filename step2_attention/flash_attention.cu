@@ -22,7 +22,8 @@
 // kernel), and write either (B, H, T, D) or the merged-heads (B, T, C) output.
 //
 // Compile-time knobs: HEAD_DIM (32 or 64; default 64), BR (query rows per block, 64), BC (keys per
-// tile, 64), TM (query rows per thread, 4). v2/v3 use (BR / TM) * 8 threads and dynamic shared memory.
+// tile, 64), TM (query rows per thread, 4), V1_ROWS (v1 query rows = warps per block, 4). v2/v3 use
+// (BR / TM) * 8 threads and dynamic shared memory.
 #include "course.cuh"
 
 #ifndef HEAD_DIM
@@ -37,13 +38,15 @@
 #ifndef TM
 #define TM 4
 #endif
+#ifndef V1_ROWS
+#define V1_ROWS 4              // v1: query rows (warps) per block
+#endif
 
 #define D HEAD_DIM
 #define NEG_INF __int_as_float(0xff800000)
 #define TN (BC / 8)            // keys per thread in S
 #define TD (D / 8)             // output dims per thread in O
 #define THREADS ((BR / TM) * 8)
-#define V1_ROWS 4              // v1: query rows (warps) per block
 #define V1_BC 32               // v1: keys per tile (one per lane)
 
 static_assert(D % 32 == 0 && D <= 128, "HEAD_DIM must be 32, 64 or 128");

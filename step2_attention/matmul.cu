@@ -21,7 +21,7 @@
 //
 // Edges: every version handles M, N, K that are not multiples of the tile (out-of-range loads read 0,
 // out-of-range stores are skipped). v3 has a float4 global-load path (matmul_v3: K % 4 == 0,
-// N % 4 == 0, 16-byte-aligned pointers; the Python side checks) and a scalar one (matmul_v3_any).
+// N % 4 == 0, 16-byte-aligned pointers; the Python side checks) and a scalar one (matmul_v3_scalar).
 //
 // Compile-time knobs: TILE (v2, default 32: TILE*TILE threads), BM, BN, BK, TM, TN (v3; defaults
 // 128, 128, 8, 8, 8: (BM/TM)*(BN/TN) = 256 threads), MIN_BLOCKS (v3 blocks per SM to budget
@@ -214,6 +214,6 @@ matmul_v3(const float* __restrict__ A, const float* __restrict__ B, float* __res
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
-matmul_v3_any(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, int M, int N, int K) {
+matmul_v3_scalar(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, int M, int N, int K) {
     matmul_regtile<false>(A, B, C, M, N, K);
 }

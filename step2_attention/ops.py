@@ -1,6 +1,7 @@
 """Python side of step 2a: softmax (softmax.cu), matmul (matmul.cu) and the naive three-kernel attention
-(attention_naive.cu), plus the cuBLAS-based attention anchor. Inputs are checked with common.expect_array;
-every function returns a CuPy array (or fills `out`).
+(attention_naive.cu), plus the cuBLAS-based attention anchor; and, for step 2b's tensor cores, one `mma.sync`
+tile by hand (mma_tile.cu) with the map of which lane holds which element (mma_fragment_map). Inputs are
+checked with common.expect_array; every GPU function returns a CuPy array (or fills `out`).
 
 Layout: q, k, v and the attention output are (B, H, T, D) float32, C-contiguous: each (batch, head) is one
 contiguous T x D matrix, so a head's rows are D consecutive floats and the kernels index head h at h*T*D.
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, load_module
+from common import expect_array, expect_choice, get_kernel, out_array, require_arch
+from common import fp32_peak_tflops  # noqa: F401  (the notebooks call ops.fp32_peak_tflops())
 
 HERE = Path(__file__).resolve().parent
 SOFTMAX_VERSIONS = (1, 2, 3, 4)
@@ -20,44 +22,11 @@ MATMUL_VERSIONS = (1, 2, 3)
 
 SOFTMAX_BLOCK = 256     # v2 threads per row
 SOFTMAX_WARPS = 4       # v3/v4 rows per block (one warp each)
+SOFTMAX_CACHE = 32      # v4 floats per lane kept in registers: rows up to 32 * SOFTMAX_CACHE are read once
 V1_BLOCK = 128          # v1 rows per block (one thread each)
 MATMUL_TILE = 32        # v2
-MATMUL_V3 = {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8}
+MATMUL_V3 = {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8, "MIN_BLOCKS": 2}
 ATTN_TILE = 32
-
-
-# fp32 FMA lanes per SM by compute capability (V100, Xavier, T4 and A100 have 64; sm_61 and sm_86+ have 128)
-FP32_LANES_PER_SM = {60: 64, 70: 64, 72: 64, 75: 64, 80: 64}
-
-
-def fp32_peak_tflops() -> float | None:
-    """fp32 FMA peak of the current device at its reported boost clock: SMs x fp32 lanes per SM x 2 FLOPs
-    x clock, in TFLOP/s (a ceiling to compare kernels with, from the device's own attributes). None when
-    the driver reports no clock."""
-    import cupy as cp
-    rt = cp.cuda.runtime
-    dev = cp.cuda.Device()
-    try:
-        clock_khz = rt.deviceGetAttribute(rt.cudaDevAttrClockRate, dev.id)
-        sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev.id)
-    except rt.CUDARuntimeError:
-        return None
-    if not clock_khz:
-        return None
-    lanes = FP32_LANES_PER_SM.get(int(dev.compute_capability), 128)
-    return 2.0 * sms * lanes * clock_khz * 1e3 / 1e12
-
-
-def _out(out, shape, name="out"):
-    import cupy as cp
-    if out is None:
-        return cp.empty(shape, dtype=cp.float32)
-    return expect_array(out, name, dtype=np.float32, shape=tuple(shape))
-
-
-def _check_version(version, allowed):
-    if version not in allowed:
-        raise ValueError(f"version: expected one of {allowed}, got {version!r}")
 
 
 def _check_int32(**sizes):
@@ -67,18 +36,24 @@ def _check_int32(**sizes):
 
 
 # ------------------------------------------------------------------------------------------ softmax
-def _softmax_module():
-    return load_module(HERE / "softmax.cu", defines={"BLOCK": SOFTMAX_BLOCK, "WARPS": SOFTMAX_WARPS})
+def softmax_kernel(version: int, vec: bool = True):
+    """(kernel, threads per block) of softmax.cu's softmax_v<version>: what `softmax` launches. `vec=False`
+    gives v4's scalar fallback (any cols, any alignment)."""
+    expect_choice(version, "version", SOFTMAX_VERSIONS)
+    name = f"softmax_v{version}" if vec or version != 4 else "softmax_v4_scalar"
+    kernel = get_kernel(HERE / "softmax.cu", name,
+                        {"BLOCK": SOFTMAX_BLOCK, "WARPS": SOFTMAX_WARPS, "CACHE": SOFTMAX_CACHE})
+    return kernel, {1: V1_BLOCK, 2: SOFTMAX_BLOCK}.get(version, 32 * SOFTMAX_WARPS)
 
 
 def _softmax_v4_launch(x, y, rows: int, cols: int, scale: float = 1.0, causal: bool = False,
                        period: int = 1, offset: int = 0):
     """Launch softmax_v4 (float4) or softmax_v4_scalar on already-checked buffers (y may be x)."""
     vec = cols % 4 == 0 and x.data.ptr % 16 == 0 and y.data.ptr % 16 == 0
-    kernel = _softmax_module().get_function("softmax_v4" if vec else "softmax_v4_scalar")
-    grid = (rows + SOFTMAX_WARPS - 1) // SOFTMAX_WARPS
-    kernel((grid,), (SOFTMAX_WARPS * 32,), (x, y, np.int32(rows), np.int32(cols), np.float32(scale),
-                                           np.int32(bool(causal)), np.int32(max(period, 1)), np.int32(offset)))
+    kernel, threads = softmax_kernel(4, vec)
+    kernel((-(-rows // SOFTMAX_WARPS),), (threads,), (x, y, np.int32(rows), np.int32(cols), np.float32(scale),
+                                                      np.int32(bool(causal)), np.int32(max(period, 1)),
+                                                      np.int32(offset)))
 
 
 def softmax(x, version: int = 4, out=None):
@@ -87,38 +62,44 @@ def softmax(x, version: int = 4, out=None):
     A row that is entirely -inf gives zeros (like common.reference.softmax). `out` may be `x` (in place).
     """
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
-    _check_version(version, SOFTMAX_VERSIONS)
+    expect_choice(version, "version", SOFTMAX_VERSIONS)
     rows, cols = x.shape
     _check_int32(rows=rows, cols=cols)
-    y = _out(out, x.shape)
+    y = out_array(out, x.shape)
     if rows == 0 or cols == 0:
         return y
-    mod = _softmax_module()
-    if version == 1:
-        mod.get_function("softmax_v1")(((rows + V1_BLOCK - 1) // V1_BLOCK,), (V1_BLOCK,),
-                                       (x, y, np.int32(rows), np.int32(cols)))
-    elif version == 2:
-        mod.get_function("softmax_v2")((rows,), (SOFTMAX_BLOCK,), (x, y, np.int32(cols)))
-    elif version == 3:
-        mod.get_function("softmax_v3")(((rows + SOFTMAX_WARPS - 1) // SOFTMAX_WARPS,), (SOFTMAX_WARPS * 32,),
-                                       (x, y, np.int32(rows), np.int32(cols)))
-    else:
+    if version == 4:
         _softmax_v4_launch(x, y, rows, cols)
+        return y
+    kernel, threads = softmax_kernel(version)
+    if version == 2:        # one block per row
+        kernel((rows,), (threads,), (x, y, np.int32(cols)))
+    else:                   # v1: one thread per row, v3: one warp per row
+        per_block = threads if version == 1 else SOFTMAX_WARPS
+        kernel((-(-rows // per_block),), (threads,), (x, y, np.int32(rows), np.int32(cols)))
     return y
 
 
 def softmax_bytes(rows: int, cols: int, version: int) -> dict:
     """DRAM bytes each version moves if nothing is cached between passes (the napkin math), and the floor."""
     n = 4 * rows * cols
-    reads = {1: 3, 2: 3, 3: 3, 4: 1 if cols <= 32 * 32 else 2}[version]
+    reads = {1: 3, 2: 3, 3: 3, 4: 1 if cols <= 32 * SOFTMAX_CACHE else 2}[version]
     return {"read": reads * n, "written": n, "floor": 2 * n}
 
 
 # ------------------------------------------------------------------------------------------ matmul
-def _matmul_module(version: int, config: dict | None = None):
+def matmul_kernel(version: int, config: dict | None = None, vec: bool = True):
+    """(kernel, block shape) of matmul.cu's matmul_v<version>: what `matmul` launches. `config` (v3 only)
+    overrides MATMUL_V3's tile defines; `vec=False` gives v3's scalar-load fallback (matmul_v3_scalar)."""
+    expect_choice(version, "version", MATMUL_VERSIONS)
     if version == 3:
-        return load_module(HERE / "matmul.cu", defines=config or MATMUL_V3)
-    return load_module(HERE / "matmul.cu", defines={"TILE": MATMUL_TILE})
+        cfg = {**MATMUL_V3, **(config or {})}
+        kernel = get_kernel(HERE / "matmul.cu", "matmul_v3" if vec else "matmul_v3_scalar", cfg)
+        return kernel, ((cfg["BM"] // cfg["TM"]) * (cfg["BN"] // cfg["TN"]),)
+    if config is not None:
+        raise ValueError(f"config: only matmul version 3 has tile defines, got version={version}")
+    kernel = get_kernel(HERE / "matmul.cu", f"matmul_v{version}", {"TILE": MATMUL_TILE})
+    return kernel, ((32, 8) if version == 1 else (MATMUL_TILE, MATMUL_TILE))
 
 
 def matmul(a, b, version: int = 3, out=None, config: dict | None = None):
@@ -127,50 +108,36 @@ def matmul(a, b, version: int = 3, out=None, config: dict | None = None):
     `config` (v3 only) overrides the tile defines, e.g. {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8}."""
     a = expect_array(a, "a", dtype=np.float32, ndim=2)
     b = expect_array(b, "b", dtype=np.float32, ndim=2)
-    _check_version(version, MATMUL_VERSIONS)
+    expect_choice(version, "version", MATMUL_VERSIONS)
     M, K = a.shape
     if b.shape[0] != K:
         raise ValueError(f"b: expected shape ({K}, *) to match a's K={K}, got {b.shape}")
     N = b.shape[1]
     _check_int32(M=M, N=N, K=K)
-    c = _out(out, (M, N))
+    c = out_array(out, (M, N))
     if M == 0 or N == 0:
         return c
     if K == 0:
         c.fill(0)
         return c
+    vec = K % 4 == 0 and N % 4 == 0 and all(p.data.ptr % 16 == 0 for p in (a, b, c))   # v3's float4 loads
+    kernel, block = matmul_kernel(version, config, vec)
     cfg = {**MATMUL_V3, **(config or {})}
-    if config is not None and version != 3:
-        raise ValueError(f"config: only matmul version 3 has tile defines, got version={version}")
-    mod = _matmul_module(version, cfg)
-    args = (a, b, c, np.int32(M), np.int32(N), np.int32(K))
-    if version == 1:
-        grid = ((N + 31) // 32, (M + 7) // 8)
-        block = (32, 8)
-        name = "matmul_v1"
-    elif version == 2:
-        t = MATMUL_TILE
-        grid, block, name = ((N + t - 1) // t, (M + t - 1) // t), (t, t), "matmul_v2"
-    else:
-        threads = (cfg["BM"] // cfg["TM"]) * (cfg["BN"] // cfg["TN"])
-        grid, block = ((N + cfg["BN"] - 1) // cfg["BN"], (M + cfg["BM"] - 1) // cfg["BM"]), (threads,)
-        vec = K % 4 == 0 and N % 4 == 0 and all(p.data.ptr % 16 == 0 for p in (a, b, c))
-        name = "matmul_v3" if vec else "matmul_v3_any"
+    tile_n, tile_m = (cfg["BN"], cfg["BM"]) if version == 3 else block     # the C tile one block computes
+    grid = (-(-N // tile_n), -(-M // tile_m))
     if grid[1] > 65535:
         raise ValueError(f"a: M={M} needs {grid[1]} row blocks, more than the grid's 65535")
-    mod.get_function(name)(grid, block, args)
+    kernel(grid, block, (a, b, c, np.int32(M), np.int32(N), np.int32(K)))
     return c
 
 
 # ------------------------------------------------------------------------------------------ attention
-def _check_qkv(q, k, v, out):
+def _check_qkv(q, k, v):
     q = expect_array(q, "q", dtype=np.float32, ndim=4)
     B, H, Tq, D = q.shape
     k = expect_array(k, "k", dtype=np.float32, shape=(B, H, None, D))
     v = expect_array(v, "v", dtype=np.float32, shape=k.shape)
-    if out is not None:
-        out = expect_array(out, "out", dtype=np.float32, shape=q.shape)
-    return q, k, v, out
+    return q, k, v
 
 
 def attention_flops(B: int, H: int, T: int, D: int, causal: bool = True) -> float:
@@ -186,11 +153,11 @@ def attention_naive(q, k, v, causal: bool = True, scale: float | None = None, ou
     query i sees keys 0 .. i + (Tk - Tq). Allocates the (B, H, Tq, Tk) float32 scores.
     """
     import cupy as cp
-    q, k, v, out = _check_qkv(q, k, v, out)
+    q, k, v = _check_qkv(q, k, v)
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    o = out if out is not None else cp.empty(q.shape, dtype=cp.float32)
+    o = out_array(out, q.shape)
     if o.size == 0:
         return o
     if Tk == 0:
@@ -199,16 +166,18 @@ def attention_naive(q, k, v, causal: bool = True, scale: float | None = None, ou
     _check_int32(rows=B * H * Tq, Tk=Tk)
     if B * H > 65535:
         raise ValueError(f"q: B*H = {B * H} heads exceed the grid's 65535 (gridDim.z)")
-    mod = load_module(HERE / "attention_naive.cu", defines={"TILE": ATTN_TILE, "WARPS": SOFTMAX_WARPS})
+    defines = {"TILE": ATTN_TILE, "WARPS": SOFTMAX_WARPS}
     s = cp.empty((B, H, Tq, Tk), dtype=cp.float32)
     t = ATTN_TILE
-    mod.get_function("attn_scores")(((Tk + t - 1) // t, (Tq + t - 1) // t, B * H), (t, t),
-                                    (q, k, s, np.int32(Tq), np.int32(Tk), np.int32(D), np.float32(scale)))
+    get_kernel(HERE / "attention_naive.cu", "attn_scores", defines)(
+        (-(-Tk // t), -(-Tq // t), B * H), (t, t),
+        (q, k, s, np.int32(Tq), np.int32(Tk), np.int32(D), np.float32(scale)))
     rows = B * H * Tq
-    mod.get_function("attn_softmax")(((rows + SOFTMAX_WARPS - 1) // SOFTMAX_WARPS,), (SOFTMAX_WARPS * 32,),
-                                     (s, np.int32(rows), np.int32(Tq), np.int32(Tk), np.int32(bool(causal))))
-    mod.get_function("attn_pv")(((D + t - 1) // t, (Tq + t - 1) // t, B * H), (t, t),
-                                (s, v, o, np.int32(Tq), np.int32(Tk), np.int32(D)))
+    get_kernel(HERE / "attention_naive.cu", "attn_softmax", defines)(
+        (-(-rows // SOFTMAX_WARPS),), (SOFTMAX_WARPS * 32,),
+        (s, np.int32(rows), np.int32(Tq), np.int32(Tk), np.int32(bool(causal))))
+    get_kernel(HERE / "attention_naive.cu", "attn_pv", defines)(
+        (-(-D // t), -(-Tq // t), B * H), (t, t), (s, v, o, np.int32(Tq), np.int32(Tk), np.int32(D)))
     return o
 
 
@@ -217,7 +186,7 @@ def attention_cublas(q, k, v, causal: bool = True, scale: float | None = None):
     softmax_v4 in place, then cupy.matmul(P, v). FP32 GEMMs unless CUPY_TF32=1 is set in the environment.
     Same shapes and causal convention as attention_naive."""
     import cupy as cp
-    q, k, v, _ = _check_qkv(q, k, v, None)
+    q, k, v = _check_qkv(q, k, v)
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -227,3 +196,145 @@ def attention_cublas(q, k, v, causal: bool = True, scale: float | None = None):
     s = cp.matmul(q, k.transpose(0, 1, 3, 2))
     _softmax_v4_launch(s, s, B * H * Tq, Tk, scale=scale, causal=causal, period=Tq, offset=Tk - Tq)
     return cp.matmul(s, v)
+
+
+# ------------------------------------------------------------------------------------------ one mma tile
+# mma_tile.cu: one warp, one tensor-core instruction mma.sync.m16n8k16 (fp16 or bf16 in, fp32 accumulate).
+MMA_VERSIONS = (1, 2, 3)
+MMA_M, MMA_N, MMA_K = 16, 8, 16
+MMA_SHAPES = {"a": (MMA_M, MMA_K), "b": (MMA_K, MMA_N), "c": (MMA_M, MMA_N)}
+MMA_V3_WARPS = 4        # v3: warps per block, each one 16x8 tile of C
+
+
+def mma_fragment_map(operand: str) -> np.ndarray:
+    """Which elements each lane holds in one `mma.sync.m16n8k16` with fp16/bf16 inputs and fp32 C, from the
+    PTX ISA's fragment tables: an int array of shape (32, n, 2), [lane, i] = (row, col) of element i of
+    `operand` ("a": 16x16, n = 8; "b": 16x8 as (k, n), n = 4; "c": 16x8, n = 4) in that lane's registers.
+    Element i is PTX's a_i / b_i / c_i: register i // 2 holds elements i and i + 1 (even i in the low half)
+    for A and B; C has one fp32 element per register. With g = lane >> 2 and t = lane % 4:
+
+        A: row = g + 8 * ((i // 2) % 2),  col = 2t + (i % 2) + 8 * (i >= 4)
+        B: row = 2t + (i % 2) + 8 * (i >= 2),  col = g
+        C: row = g + 8 * (i >= 2),  col = 2t + (i % 2)
+    """
+    expect_choice(operand, "operand", tuple(MMA_SHAPES))
+    lane = np.arange(32)[:, None]
+    g, t = lane >> 2, lane % 4
+    i = np.arange(8 if operand == "a" else 4)[None, :]
+    if operand == "a":
+        row, col = g + 8 * ((i // 2) % 2), 2 * t + (i % 2) + 8 * (i >= 4)
+    elif operand == "b":
+        row, col = 2 * t + (i % 2) + 8 * (i >= 2), g + 0 * i
+    else:
+        row, col = g + 8 * (i >= 2), 2 * t + (i % 2)
+    return np.stack(np.broadcast_arrays(row, col), axis=-1).astype(np.int64)
+
+
+def mma_owners(operand: str) -> tuple[np.ndarray, np.ndarray]:
+    """(lane, element) grids of the operand's shape: lane[r, c] holds element (r, c) of A, B or C as its
+    element number element[r, c] (see mma_fragment_map). What a fragment-layout diagram draws."""
+    m = mma_fragment_map(operand)
+    lane, elem = np.full(MMA_SHAPES[operand], -1), np.full(MMA_SHAPES[operand], -1)
+    lane[m[..., 0], m[..., 1]] = np.arange(32)[:, None]
+    elem[m[..., 0], m[..., 1]] = np.arange(m.shape[1])[None, :]
+    return lane, elem
+
+
+def mma_pack(x, operand: str):
+    """A 16x16 A, or 16x8 B or C, as the (32, n) registers of the warp: row L is what lane L holds."""
+    xp, m = _xp_map(x, operand)
+    if tuple(x.shape) != MMA_SHAPES[operand]:
+        raise ValueError(f"x: expected shape {MMA_SHAPES[operand]} for operand {operand!r}, got {tuple(x.shape)}")
+    return x[m[..., 0], m[..., 1]]
+
+
+def mma_unpack(frag, operand: str):
+    """The inverse of mma_pack: (32, n) per-lane registers back to the operand's matrix."""
+    xp, m = _xp_map(frag, operand)
+    if tuple(frag.shape) != m.shape[:2]:
+        raise ValueError(f"frag: expected shape {m.shape[:2]} for operand {operand!r}, got {tuple(frag.shape)}")
+    out = xp.empty(MMA_SHAPES[operand], frag.dtype)
+    out[m[..., 0], m[..., 1]] = frag
+    return out
+
+
+def _xp_map(x, operand: str):
+    """(array module of x, the fragment map as an index array of that module): NumPy or CuPy alike."""
+    m = mma_fragment_map(operand)
+    if isinstance(x, np.ndarray):
+        return np, m
+    import cupy as cp
+    return cp, cp.asarray(m)
+
+
+def _mma_bf16(x, name: str) -> bool:
+    """Check an fp16/bf16 mma operand's dtype; True when it is bf16 (uint16 bit patterns, as flash.to_bf16 makes)."""
+    from step2_attention.flash import _is_bf16
+    if x.dtype != np.float16 and not _is_bf16(x):
+        raise TypeError(f"{name}: expected dtype float16, or bfloat16 as uint16 bit patterns, got {x.dtype}")
+    return _is_bf16(x)
+
+
+def _mma_require(bf16: bool) -> None:
+    if bf16:
+        require_arch(80, "bf16 tensor cores (mma.sync m16n8k16.bf16)")
+    else:
+        require_arch(75, "fp16 tensor cores (mma.sync m16n8k8, ldmatrix)")
+
+
+def mma_kernel(version: int, bf16: bool = False):
+    """mma_tile.cu's mma_tile_v<version> for fp16 (or bf16) inputs: what `mma_tile` launches."""
+    expect_choice(version, "version", MMA_VERSIONS)
+    return get_kernel(HERE / "mma_tile.cu", f"mma_tile_v{version}<{'true' if bf16 else 'false'}>",
+                      {"V3_WARPS": MMA_V3_WARPS})
+
+
+def mma_tile(a, b, version: int = 1, out=None):
+    """C = A @ B on tensor cores with mma_tile_v<version> of mma_tile.cu: fp16 inputs (or bf16 as uint16 bit
+    patterns), fp32 accumulation, float32 C. v1 and v2 take exactly one tile, A (16, 16) and B (16, 8); v3 any
+    A (M, K) and B (K, N). fp16 needs sm_75+, bf16 sm_80+."""
+    expect_choice(version, "version", MMA_VERSIONS)
+    a = expect_array(a, "a", ndim=2)
+    bf16 = _mma_bf16(a, "a")
+    if version == 3:
+        M, K = a.shape
+        b = expect_array(b, "b", dtype=a.dtype, ndim=2)
+        if b.shape[0] != K:
+            raise ValueError(f"b: expected shape ({K}, *) to match a's K={K}, got {b.shape}")
+        N = b.shape[1]
+        _check_int32(M=M, N=N, K=K)
+    else:
+        M, K, N = MMA_M, MMA_K, MMA_N
+        a = expect_array(a, "a", shape=(M, K))
+        b = expect_array(b, "b", dtype=a.dtype, shape=(K, N))
+    c = out_array(out, (M, N))
+    _mma_require(bf16)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        c.fill(0)
+        return c
+    kernel = mma_kernel(version, bf16)
+    if version == 3:
+        grid = (-(-N // MMA_N), -(-M // (MMA_M * MMA_V3_WARPS)))
+        if grid[1] > 65535:
+            raise ValueError(f"a: M={M} needs {grid[1]} row blocks, more than the grid's 65535")
+        kernel(grid, (32 * MMA_V3_WARPS,), (a, b, c, np.int32(M), np.int32(N), np.int32(K)))
+    else:
+        kernel((1,), (32,), (a, b, c))
+    return c
+
+
+def mma_fragments(a_frag, b_frag, out=None):
+    """The bare instruction (mma_tile.cu's mma_fragments): lane L's registers are row L of a_frag (32, 8) and
+    b_frag (32, 4), fp16 or bf16 (uint16 bits); returns its fp32 C registers, (32, 4). No layout inside:
+    `mma_unpack(mma_fragments(mma_pack(A, "a"), mma_pack(B, "b")), "c")` equals A @ B exactly when
+    mma_fragment_map describes the hardware."""
+    a_frag = expect_array(a_frag, "a_frag", shape=(32, 8))
+    bf16 = _mma_bf16(a_frag, "a_frag")
+    b_frag = expect_array(b_frag, "b_frag", dtype=a_frag.dtype, shape=(32, 4))
+    c = out_array(out, (32, 4))
+    _mma_require(bf16)
+    get_kernel(HERE / "mma_tile.cu", f"mma_fragments<{'true' if bf16 else 'false'}>",
+               {"V3_WARPS": MMA_V3_WARPS})((1,), (32,), (a_frag, b_frag, c))
+    return c

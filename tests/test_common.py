@@ -98,3 +98,169 @@ def test_offline_compile_leaves_the_interpreter_intact():
     from common import compile_offline
     compile_offline("step1_simple/zoo.cu", 80)
     assert b" " == bytes([32]) and b" ".decode() == " "
+
+
+# --- the helpers every wrapper shares -----------------------------------------------------------------------
+
+def test_expect_choice_names_the_argument_and_the_choices():
+    from common import expect_choice
+    assert expect_choice(3, "version", (1, 2, 3)) == 3
+    with pytest.raises(ValueError, match=r"version: expected one of \(1, 2, 3\), got 4"):
+        expect_choice(4, "version", (1, 2, 3))
+
+
+def test_launch_grid_per_sm_caps_at_the_gpus_sm_count(monkeypatch):
+    """per_sm multiplies the SM count that device_info() reports (replaced here by a 132-SM GPU's numbers:
+    the arithmetic is what is tested; test_launch_grid_per_sm_on_this_gpu uses the real device)."""
+    import common.device
+    monkeypatch.setattr(common.device, "device_info", lambda: {"multiprocessors": 132})
+    assert launch_grid(10**9, 256, per_sm=16) == (132 * 16,)
+    assert launch_grid(10**9, 256, max_blocks=1000, per_sm=16) == (1000,)
+    assert launch_grid(1000, 256, per_sm=16) == (4,)           # small n: the cap does not matter
+
+
+@pytest.mark.gpu
+def test_launch_grid_per_sm_on_this_gpu():
+    from common import device_info
+    sms = device_info()["multiprocessors"]
+    assert launch_grid(10**9, 128, per_sm=8) == (8 * sms,)
+
+
+def test_out_array_checks_a_given_buffer_before_any_gpu_work():
+    pytest.importorskip("cupy")
+    from common import out_array
+    with pytest.raises(TypeError, match=r"^y: expected a cupy.ndarray"):
+        out_array(np.empty(4, np.float32), (4,), name="y")
+
+
+@pytest.mark.gpu
+def test_out_array_new_or_checked():
+    import cupy as cp
+    from common import out_array
+    a = out_array(None, (3, 5), np.float16)
+    assert isinstance(a, cp.ndarray) and a.shape == (3, 5) and a.dtype == np.float16
+    b = cp.empty((3, 5), np.float32)
+    assert out_array(b, [3, 5]) is b
+    with pytest.raises(ValueError, match=r"out: expected shape \(4, 5\)"):
+        out_array(b, (4, 5))
+    with pytest.raises(TypeError, match="out: expected dtype float16"):
+        out_array(b, (3, 5), np.float16)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        out_array(cp.empty((5, 3), np.float32).T, (3, 5))
+
+
+@pytest.mark.gpu
+def test_get_kernel_compiles_a_template_instantiation(tmp_path):
+    """A template name goes through CuPy's name_expressions: no extern "C" wrapper needed."""
+    import cupy as cp
+    from common import get_kernel
+    src = tmp_path / "scale.cu"
+    src.write_text("template <int K>\n__global__ void scale(const float* x, float* y, int n) {\n"
+                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) y[i] = K * x[i];\n}\n")
+    x = cp.asarray(rand(1000, seed=5))
+    for k in (3, 7):
+        y = poison(cp.empty_like(x))
+        get_kernel(src, f"scale<{k}>")((4,), (256,), (x, y, np.int32(1000)))
+        assert_close(y, k * x.get().astype(np.float64))
+    assert get_kernel(src, "scale<3>") is get_kernel(src, "scale<3>")       # cached
+
+
+# --- no GPU, or an old driver: one message before the first CUDA call ---------------------------------------
+
+def _driver_loadable() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_driver_loadable(), reason="this machine has an NVIDIA driver; the no-driver message is "
+                                                "checked where libcuda cannot be loaded (CI)")
+def test_every_gpu_entry_point_says_there_is_no_driver():
+    """Real, not mocked: on a machine without libcuda, each entry point raises the same RuntimeError, which
+    names what is missing and where to read on, before any CUDA call (no CUDARuntimeError)."""
+    pytest.importorskip("cupy")
+    import common
+    from common.device import skip_reason
+    assert skip_reason().startswith("no NVIDIA driver found (libcuda could not be loaded)")
+    calls = {"require_gpu": common.require_gpu, "device_info": common.device_info,
+             "fp32_peak_tflops": common.fp32_peak_tflops, "copy_bandwidth": common.copy_bandwidth,
+             "bench": lambda: common.bench(lambda: None), "out_array": lambda: common.out_array(None, (4,)),
+             "capture_graph": lambda: common.capture_graph(lambda: None),
+             "load_module": lambda: common.load_module("step1_simple/axpb.cu"),
+             "launch_grid(per_sm=)": lambda: launch_grid(10, 4, per_sm=2)}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError) as e:
+            call()
+        msg = str(e.value)
+        assert type(e.value) is RuntimeError, f"{name}: {type(e.value).__name__}: {msg}"
+        assert msg.startswith("This needs an NVIDIA GPU with a working driver: no NVIDIA driver found"), name
+        assert "docs/environment.md" in msg, name
+
+
+def test_old_driver_message_gives_both_versions_and_what_to_do():
+    from common.device import driver_too_old
+    msg = driver_too_old(11080, 12090)
+    assert "supports CUDA 11.8" in msg and "needs CUDA 12.9" in msg and "525 or newer" in msg
+
+
+# --- python -m common.benchmarks: names are checked before any GPU work -------------------------------------
+
+def _benchmarks(*args):
+    import subprocess
+    import sys
+    from common.kernels import ROOT
+    return subprocess.run([sys.executable, "-m", "common.benchmarks", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_benchmarks_unknown_name_is_an_error_listing_the_valid_ones():
+    r = _benchmarks("--only", "step1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "unknown name 'step1'" in r.stderr and "step1_simple" in r.stderr and "step2_attention:flash" in r.stderr
+    assert "GPU" not in r.stderr                      # refused before anything asked for a GPU
+    r = _benchmarks("--only", "step2_attention:flsh")
+    assert r.returncode == 2 and "unknown name 'step2_attention:flsh'" in r.stderr
+
+
+def test_benchmarks_help_and_list_without_a_gpu():
+    r = _benchmarks("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m common.benchmarks")
+    for word in ("seed", "issue", "target", "MISSED", " met"):
+        assert word not in r.stdout, word
+    r = _benchmarks("--list")
+    names = r.stdout.split()
+    assert r.returncode == 0 and "step1_simple" in names and "step2_attention:flash" in names
+    assert "step2_attention:softmax" in names
+
+
+def test_benchmarks_family_selection():
+    from common.benchmarks import select
+    jobs = select(["step2_attention:flash"])
+    assert jobs == [("step2_attention:flash", "step2_attention.benchmarks_flash", None)]
+    assert select(["step2_attention:softmax"]) == [("step2_attention:softmax", "step2_attention.benchmarks",
+                                                    "softmax_rows")]
+    # a family inside a module that runs whole anyway is not run twice
+    both = select(["step2_attention:flash", "step2_attention:decode"])
+    assert [j[1:] for j in both] == [("step2_attention.benchmarks_flash", None)]
+    with pytest.raises(ValueError, match="valid names are: step1_simple"):
+        select(["nope"])
+
+
+@pytest.mark.skipif(_driver_loadable(), reason="this machine has an NVIDIA driver")
+def test_benchmarks_without_a_gpu_says_so_without_a_traceback():
+    r = _benchmarks("--only", "step1_simple")
+    assert r.returncode == 1 and "no NVIDIA driver found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_benchmark_table_prints_measured_values_not_verdicts():
+    from common.benchmarks import Row, table
+    from common.timing import Timing
+    t, anchor = Timing("k", [1.0], [1.0], bytes=2e9), Timing("a", [2.0], [2.0], bytes=2e9)
+    row = Row.of(t, "1M", ceiling=("copy bw", 4000.0), anchor=("ref", anchor), target=("ratio", 3.0))
+    text = table([row])
+    assert "2.00x ref" in text and "50.0% copy bw" in text
+    assert "target" not in text and "met" not in text and "MISSED" not in text
+    assert row.record()["target"] == "ratio >= 3" and "met" not in row.record()

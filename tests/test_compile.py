@@ -1,14 +1,34 @@
 """Every .cu file of the course compiles with NVRTC for every supported arch, without a GPU, with no
-warnings and no register spills. This is what CI checks on a machine without a driver."""
+warnings and no register spills. This is what CI checks on a machine without a driver.
+
+A `.cu` whose constants come from Python (`#ifndef BLOCK / #error ...`) is compiled with the defines its
+module declares in a dict `CU_DEFINES = {path of the .cu: defines}` (CONTRIBUTING.md)."""
+import importlib
+import os
 from pathlib import Path
 
 import pytest
 
-import os
-
 from common.kernels import ARCHS, ROOT, KernelCompileError, compile_offline, supported_archs
 
 SOURCES = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("step*/*.cu"))
+
+
+def _declared_defines() -> dict:
+    """.cu path (relative to the repository) -> defines, from every step module that has a CU_DEFINES dict."""
+    found = {}
+    for py in sorted(ROOT.glob("step*/*.py")):
+        if "CU_DEFINES" not in py.read_text():
+            continue
+        module = importlib.import_module(f"{py.parent.name}.{py.stem}")
+        for path, defines in getattr(module, "CU_DEFINES", {}).items():
+            p = Path(path)
+            p = p if p.is_absolute() else (py.parent / p if (py.parent / p).is_file() else ROOT / p)
+            found[p.resolve().relative_to(ROOT).as_posix()] = dict(defines)
+    return found
+
+
+DEFINES = _declared_defines()
 
 
 def test_sources_found():
@@ -21,8 +41,8 @@ def test_compiles(source, arch):
     if arch not in supported_archs():
         if os.environ.get("CI"):
             pytest.fail(f"CI must check sm_{arch}, but this NVRTC supports only {supported_archs()}")
-        pytest.skip(f"the installed NVRTC cannot target sm_{arch} (CUDA 13 dropped it); CI checks it with NVRTC 12.9")
-    report = compile_offline(source, arch)
+        pytest.skip(f"the NVRTC CuPy loaded cannot target sm_{arch} (CUDA 13 dropped it); CI checks it with CuPy's CUDA 12 NVRTC")
+    report = compile_offline(source, arch, defines=DEFINES.get(source))
     assert not report.warnings, f"{source} sm_{arch} warnings:\n" + "\n".join(report.warnings)
     assert report.kernels, f"{source}: no kernels in the ptxas report:\n{report.log}"
     spills = {k.name: (k.spill_stores, k.spill_loads) for k in report.kernels.values()
@@ -62,3 +82,13 @@ def test_defines_reach_the_compiler():
 def test_missing_source_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no_such_file.cu"):
         compile_offline("step1_simple/no_such_file.cu", 80)
+
+
+def test_missing_define_names_the_line(tmp_path):
+    """`#error` is a 'catastrophic error' in NVRTC's log: it is quoted like any other."""
+    src = tmp_path / "needs.cu"
+    src.write_text('#ifndef BLOCK\n#error "BLOCK must be defined"\n#endif\n'
+                   'extern "C" __global__ void k(float* y) { y[threadIdx.x] = BLOCK; }\n')
+    with pytest.raises(KernelCompileError, match=rf'(?s){src}:2: error: #error directive.*\| #error "BLOCK'):
+        compile_offline(src, 80)
+    assert compile_offline(src, 80, defines={"BLOCK": 64}).kernels

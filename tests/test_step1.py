@@ -156,23 +156,23 @@ def test_bad_inputs_are_named():
 
 
 def test_compile_error_on_the_gpu_names_the_line(tmp_path):
-    from common import KernelCompileError, load_module
+    from common import KernelCompileError, get_kernel
     bad = tmp_path / "bad.cu"
     bad.write_text('extern "C" __global__ void k(float* y) {\n  y[0] = 1.0f\n}\n')
     with pytest.raises(KernelCompileError, match=r"bad.cu:3: error") as e:
-        load_module(bad)
+        get_kernel(bad, "k")
     assert "|" in str(e.value)
 
 
 def test_header_edit_takes_effect(tmp_path):
-    from common import load_module
+    from common import get_kernel
     (tmp_path / "value.cuh").write_text("#define VALUE 1.0f\n")
     src = tmp_path / "h.cu"
     src.write_text('#include "value.cuh"\nextern "C" __global__ void k(float* y) { y[0] = VALUE; }\n')
     y = cp.zeros(1, cp.float32)
-    load_module(src).get_function("k")((1,), (1,), (y,))
+    get_kernel(src, "k")((1,), (1,), (y,))
     (tmp_path / "value.cuh").write_text("#define VALUE 2.0f\n")
-    load_module(src).get_function("k")((1,), (1,), (y,))
+    get_kernel(src, "k")((1,), (1,), (y,))
     assert float(y[0]) == 2.0
 
 

@@ -3,7 +3,7 @@ Random inputs, NaN-poisoned outputs, awkward lengths (1, 7, 63, 64, 65, 1000, 10
 import numpy as np
 import pytest
 
-from common import assert_close, poison, rand, reference as R
+from common import assert_close, capture_graph, poison, rand, reference as R
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -301,9 +301,7 @@ def test_decode_cuda_graph_replays_with_new_lengths():
     with s:
         flash.decode_attention(q, kc, vc, lens, out=out)     # compiles and allocates the workspace
         s.synchronize()
-        s.begin_capture()
-        flash.decode_attention(q, kc, vc, lens, out=out)
-        g = s.end_capture()
+        g = capture_graph(lambda: flash.decode_attention(q, kc, vc, lens, out=out), s)
         for lengths in ([1, 1024, 77, 513], [1024, 1024, 1024, 1024], [5, 300, 1, 999]):
             lens.set(np.array(lengths, np.int32), stream=s)
             poison(out)
