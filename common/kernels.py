@@ -333,20 +333,26 @@ def supported_archs() -> tuple:
 
 
 def kernel_source(path: str | os.PathLike, name: str) -> str:
-    """The text of one kernel (with the comment block above it) from a `.cu` file, for notebooks to show."""
+    """The text of one kernel or device function (with its `template <...>` line and the comment block above
+    it) from a `.cu` file, for notebooks to show."""
     lines = resolve(path).read_text().splitlines()
+    qualifier = re.compile(r"__global__|__device__")
     start = next((i for i, ln in enumerate(lines) if re.search(rf"\b{re.escape(name)}\s*\(", ln)
-                  and "__global__" in " ".join(lines[max(0, i - 1):i + 1])), None)
+                  and not ln.rstrip().endswith(";")            # a declaration or a call, not the definition
+                  and qualifier.search(" ".join(lines[max(0, i - 1):i + 1]))), None)
     if start is None:
-        raise KeyError(f"kernel {name!r} not found in {path}")
-    if "__global__" not in lines[start]:
+        raise KeyError(f"kernel or device function {name!r} not found in {path}")
+    if not qualifier.search(lines[start]):
         start -= 1
     first = start
+    if first > 0 and lines[first - 1].lstrip().startswith("template"):
+        first -= 1
     while first > 0 and lines[first - 1].lstrip().startswith("//"):
         first -= 1
-    depth, end = 0, start
+    depth, end, opened = 0, start, False
     for end in range(start, len(lines)):
         depth += lines[end].count("{") - lines[end].count("}")
-        if depth == 0 and "}" in lines[end]:
+        opened = opened or "{" in lines[end]
+        if opened and depth == 0:
             break
     return "\n".join(lines[first:end + 1])

@@ -242,7 +242,7 @@ def mma_owners(operand: str) -> tuple[np.ndarray, np.ndarray]:
 
 def mma_pack(x, operand: str):
     """A 16x16 A, or 16x8 B or C, as the (32, n) registers of the warp: row L is what lane L holds."""
-    xp, m = _xp_map(x, operand)
+    _, m = _xp_map(x, operand)
     if tuple(x.shape) != MMA_SHAPES[operand]:
         raise ValueError(f"x: expected shape {MMA_SHAPES[operand]} for operand {operand!r}, got {tuple(x.shape)}")
     return x[m[..., 0], m[..., 1]]
@@ -328,7 +328,7 @@ def mma_tile(a, b, version: int = 1, out=None):
 def mma_fragments(a_frag, b_frag, out=None):
     """The bare instruction (mma_tile.cu's mma_fragments): lane L's registers are row L of a_frag (32, 8) and
     b_frag (32, 4), fp16 or bf16 (uint16 bits); returns its fp32 C registers, (32, 4). No layout inside:
-    `mma_unpack(mma_fragments(mma_pack(A, "a"), mma_pack(B, "b")), "c")` equals A @ B exactly when
+    `mma_unpack(mma_fragments(mma_pack(A, "a"), mma_pack(B, "b")), "c")` is A @ B (to fp32 rounding) only if
     mma_fragment_map describes the hardware."""
     a_frag = expect_array(a_frag, "a_frag", shape=(32, 8))
     bf16 = _mma_bf16(a_frag, "a_frag")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from common import bench, copy_bandwidth, device_info, rand, torch_cuda
+from common import bench, capture_graph, copy_bandwidth, device_info, rand, torch_cuda
 from common.benchmarks import Row
 
 N_LN, C_LN = 8192, 768
@@ -14,8 +14,9 @@ B_SUB, T_SUB, C_SUB, H_SUB = 8, 1024, 768, 12
 
 
 def unavailable(name: str, size: str, reason: str, target: bool = False) -> Row:
-    """A row that could not be measured here, with the reason in its name (ms is NaN). With target=True it stands for an issue target, which then
-    counts as not met (n/a); otherwise it only records why the row is missing."""
+    """A row that could not be measured here, with the reason in its name (ms is NaN). With target=True it
+    stands for a row that has a target, which then counts as not met (n/a); otherwise it only records why
+    the row is missing."""
     return Row(f"{name} [unavailable: {reason[:80]}]", size, float("nan"),
                target="n/a" if target else "", met=False if target else None)
 
@@ -193,17 +194,7 @@ def time_decode(version: str, case: dict, graph: bool = False, **kw):
     if not graph:
         return bench(call, name=name, bytes=nbytes, **kw)
     stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        try:
-            call()
-        except BaseException:   # e.g. cuBLAS refuses capture: close it, or the stream stays unusable
-            try:
-                stream.end_capture()
-            except Exception:
-                pass            # the capture may be invalidated; the original error is the one to report
-            raise
-        g = stream.end_capture()
+    g = capture_graph(call, stream)         # raises for the separate versions: CuPy refuses cuBLAS in a capture
     stream.synchronize()
 
     with stream:

@@ -122,7 +122,7 @@ def run() -> list[Row]:
                            anchor=("per-tensor launches", each)))
         rows.append(Row.of(each, f"{n / 1e6:.1f}M params", ceiling=("copy bw", bw)))
 
-    # ---- one sample per step (the seed's loop): launch-bound
+    # ---- one sample per step: launch-bound
     m1, opt1 = model_and("sgd")
     c1, t1 = _data(1, seed=1)
     per = bench(lambda: m1.step(c1, t1, opt1, fused=True, check=False), name="per-sample step fused (sgd)")

@@ -12,15 +12,16 @@
 //   v3  Welford: mean and M2 in ONE pass (each lane keeps a running count/mean/M2, lanes merge with
 //       Chan's formula through shuffles), then the write pass: x is read twice.
 //   v4  the row cached in registers (ln_row.cuh): one read of x, float4 loads when the row is 16-byte
-//       aligned (layernorm_v4; layernorm_v4s is the float version for any C), the variance as an exact
+//       aligned (layernorm_v4; layernorm_v4_scalar is the float version for any C), the variance as an exact
 //       second pass over the registers, one write. This is the kernel the fused ones build on.
 //
-// Compile-time knob: BLOCK (threads per block, a multiple of 32; default 256 -> 8 rows per block in v2..v4).
+// Compile-time knob: BLOCK (threads per block, a multiple of 32: BLOCK / 32 rows per block in v2..v4), passed
+// by ops.py (LN_BLOCK), which also sizes the grid with it.
 #include "course.cuh"
 #include "ln_row.cuh"
 
 #ifndef BLOCK
-#define BLOCK 256
+#error "BLOCK is passed by ops.py"
 #endif
 
 extern "C" __global__ void layernorm_v1(const float* __restrict__ x, const float* __restrict__ w,
@@ -99,15 +100,15 @@ __device__ __forceinline__ void layernorm_v4_body(const float* __restrict__ x, c
     ln_warp_row<V>(C, eps, w, b, y + (long long)row * C, load, [](int, const float*) {}, load);
 }
 
-// x, w, b, y 16-byte aligned and C % 4 == 0 (the wrapper checks and otherwise launches layernorm_v4s).
+// x, w, b, y 16-byte aligned and C % 4 == 0 (the wrapper checks and otherwise launches layernorm_v4_scalar).
 extern "C" __global__ void layernorm_v4(const float* __restrict__ x, const float* __restrict__ w,
                                         const float* __restrict__ b, float* __restrict__ y,
                                         int N, int C, float eps) {
     layernorm_v4_body<4>(x, w, b, y, N, C, eps);
 }
 
-extern "C" __global__ void layernorm_v4s(const float* __restrict__ x, const float* __restrict__ w,
-                                         const float* __restrict__ b, float* __restrict__ y,
-                                         int N, int C, float eps) {
+extern "C" __global__ void layernorm_v4_scalar(const float* __restrict__ x, const float* __restrict__ w,
+                                                const float* __restrict__ b, float* __restrict__ y,
+                                                int N, int C, float eps) {
     layernorm_v4_body<1>(x, w, b, y, N, C, eps);
 }

@@ -11,19 +11,27 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, launch_grid, get_kernel, device_info, allow_dynamic_smem
+from common import expect_array, expect_choice, launch_grid, get_kernel, allow_dynamic_smem, out_array, require_gpu
 from common import occupancy  # noqa: F401  (ops.occupancy: re-exported for the notebooks)
 
 HERE = Path(__file__).resolve().parent
+LAYERNORM, RESIDUAL_LN = HERE / "layernorm.cu", HERE / "residual_layernorm.cu"
+GLUE, DECODE, HURTS = HERE / "sublayer_glue.cu", HERE / "sublayer_decode.cu", HERE / "when_fusion_hurts.cu"
 LN_VERSIONS = (1, 2, 3, 4)
-ROWS_PER_BLOCK = 8            # BLOCK = 256 threads = 8 warps, one row per warp (v2 .. v4, residual_layernorm)
-GLUE_BLOCK = 256
-
-
-def _kernel(name: str, kernel: str, defines: dict | None = None):
-    """A cached kernel of one of this folder's .cu files: the decode and LayerNorm wrappers run per token,
-    where a full load_module (re-read and hash the source) would cost as much as a small kernel runs."""
-    return get_kernel(HERE / name, kernel, defines)
+# Compile-time constants of the .cu files, defined here only and passed as -D defines (the .cu files have no
+# defaults), so a launch configuration and its kernel cannot disagree.
+LN_BLOCK = 256                # LayerNorm v2..v4 and residual_layernorm: one warp per row, LN_BLOCK // 32 rows a block
+GLUE_BLOCK = 256              # the grid-stride glue and convolution kernels
+DECODE_BLOCK = 256            # sublayer_decode.cu: threads per (head, sequence) block
+OVERFUSE_THREADS = 128        # ln_linear_overfused
+KSIZE = 3                     # conv2d_bias_relu's square filter
+LN_DEFINES = {"BLOCK": LN_BLOCK}
+GLUE_DEFINES = {"BLOCK": GLUE_BLOCK}
+HURTS_DEFINES = {"KSIZE": KSIZE, "OVERFUSE_THREADS": OVERFUSE_THREADS, "OVERFUSE_ROWS": 8, "OVERFUSE_COLS": 4}
+# Every .cu file of this module with the defines it is compiled with (HEAD_DIM and the over-fused tile vary
+# per call; these are the defaults). tests/test_step3_fused.py compiles each one offline with them.
+CU_DEFINES = {LAYERNORM: LN_DEFINES, RESIDUAL_LN: LN_DEFINES, GLUE: GLUE_DEFINES,
+              DECODE: {"HEAD_DIM": 64, "BLOCK": DECODE_BLOCK}, HURTS: HURTS_DEFINES}
 
 
 def _aligned(*arrays) -> bool:
@@ -33,17 +41,6 @@ def _aligned(*arrays) -> bool:
 def _vec(C: int, *arrays) -> bool:
     """float4 loads are legal when every row starts on a 16-byte boundary."""
     return C % 4 == 0 and _aligned(*arrays)
-
-
-def _grid_stride(n: int, block: int = GLUE_BLOCK) -> tuple[int]:
-    return launch_grid(n, block, max_blocks=device_info()["multiprocessors"] * 16)
-
-
-def _out(out, name, shape, dtype=np.float32):
-    import cupy as cp
-    if out is None:
-        return cp.empty(shape, dtype=dtype)
-    return expect_array(out, name, dtype=dtype, shape=shape)
 
 
 def _rows(x, name="x"):
@@ -60,19 +57,18 @@ def layernorm(x, weight, bias, eps: float = 1e-5, version: int = 4, out=None):
     N, C = x.shape
     weight = expect_array(weight, "weight", dtype=np.float32, shape=(C,))
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(C,))
-    if version not in LN_VERSIONS:
-        raise ValueError(f"version: expected one of {LN_VERSIONS}, got {version!r}")
-    y = _out(out, "out", x.shape)
+    expect_choice(version, "version", LN_VERSIONS)
+    y = out_array(out, x.shape)
     if N == 0:
         return y
     args = (x, weight, bias, y, np.int32(N), np.int32(C), np.float32(eps))
     if version == 1:
-        _kernel("layernorm.cu", "layernorm_v1")(launch_grid(N, 128), (128,), args)
+        get_kernel(LAYERNORM, "layernorm_v1", LN_DEFINES)(launch_grid(N, 128), (128,), args)
         return y
-    name = f"layernorm_v{version}"
+    name = {2: "layernorm_v2", 3: "layernorm_v3", 4: "layernorm_v4"}[version]
     if version == 4 and not _vec(C, x, weight, bias, y):
-        name = "layernorm_v4s"           # C % 4 != 0 or an unaligned view: float loads, same algorithm
-    _kernel("layernorm.cu", name)(launch_grid(N, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK,), args)
+        name = "layernorm_v4_scalar"     # C % 4 != 0 or an unaligned view: float loads, same algorithm
+    get_kernel(LAYERNORM, name, LN_DEFINES)(launch_grid(N, LN_BLOCK // 32), (LN_BLOCK,), args)
     return y
 
 
@@ -86,16 +82,16 @@ def residual_layernorm(x, proj, proj_bias, weight, bias, eps: float = 1e-5, out_
         proj_bias = expect_array(proj_bias, "proj_bias", dtype=np.float32, shape=(C,))
     weight = expect_array(weight, "weight", dtype=np.float32, shape=(C,))
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(C,))
-    r = _out(out_residual, "out_residual", (N, C))
-    y = _out(out_ln, "out_ln", (N, C))
+    r = out_array(out_residual, (N, C), name="out_residual")
+    y = out_array(out_ln, (N, C), name="out_ln")
     if y.data.ptr in (x.data.ptr, proj.data.ptr, r.data.ptr):
         raise ValueError("out_ln: must not share memory with x, proj or out_residual")
     if N == 0:
         return r, y
-    name = "residual_layernorm" if _vec(C, x, proj, proj_bias, weight, bias, r, y) else "residual_layernorm_s"
+    vec = _vec(C, x, proj, proj_bias, weight, bias, r, y)
     pb = proj_bias if proj_bias is not None else weight        # any valid pointer; has_bias = 0 ignores it
-    _kernel("residual_layernorm.cu", name)(
-        launch_grid(N, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK,),
+    get_kernel(RESIDUAL_LN, "residual_layernorm" if vec else "residual_layernorm_scalar", LN_DEFINES)(
+        launch_grid(N, LN_BLOCK // 32), (LN_BLOCK,),
         (x, proj, pb, np.int32(proj_bias is not None), weight, bias, r, y, np.int32(N), np.int32(C),
          np.float32(eps)))
     return r, y
@@ -106,10 +102,11 @@ def bias_add_rows(x, bias, out=None):
     """y[n, c] = x[n, c] + bias[c] for x (..., C). out may be x itself (in place)."""
     x = expect_array(x, "x", dtype=np.float32)
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(x.shape[-1],))
-    y = _out(out, "out", x.shape)
+    y = out_array(out, x.shape)
     if x.size:
-        _kernel("sublayer_glue.cu", "bias_add_rows")(
-            _grid_stride(x.size), (GLUE_BLOCK,), (x, bias, y, np.int64(x.size), np.int32(x.shape[-1])))
+        get_kernel(GLUE, "bias_add_rows", GLUE_DEFINES)(
+            launch_grid(x.size, GLUE_BLOCK, per_sm=16), (GLUE_BLOCK,),
+            (x, bias, y, np.int64(x.size), np.int32(x.shape[-1])))
     return y
 
 
@@ -117,9 +114,10 @@ def add(a, b, out=None):
     """y = a + b elementwise; out may be a or b (in place)."""
     a = expect_array(a, "a", dtype=np.float32)
     b = expect_array(b, "b", dtype=np.float32, shape=a.shape)
-    y = _out(out, "out", a.shape)
+    y = out_array(out, a.shape)
     if a.size:
-        _kernel("sublayer_glue.cu", "add")(_grid_stride(a.size), (GLUE_BLOCK,), (a, b, y, np.int64(a.size)))
+        get_kernel(GLUE, "add", GLUE_DEFINES)(launch_grid(a.size, GLUE_BLOCK, per_sm=16), (GLUE_BLOCK,),
+                                              (a, b, y, np.int64(a.size)))
     return y
 
 
@@ -132,10 +130,11 @@ def split_heads(qkv, n_head: int, out=None):
         raise ValueError(f"qkv: last dimension {C3} is not 3 * n_head * head_dim with n_head={n_head}")
     D = C3 // 3 // n_head
     shape = (B, n_head, T, D)
-    q, k, v = (_out(o, f"out[{i}]", shape) for i, o in enumerate(out or (None, None, None)))
+    q, k, v = (out_array(o, shape, name=f"out[{i}]") for i, o in enumerate(out or (None, None, None)))
     if qkv.size:
-        _kernel("sublayer_glue.cu", "split_heads")(
-            _grid_stride(qkv.size // 3), (GLUE_BLOCK,), (qkv, q, k, v, np.int32(B), np.int32(T), np.int32(n_head), np.int32(D)))
+        get_kernel(GLUE, "split_heads", GLUE_DEFINES)(
+            launch_grid(qkv.size // 3, GLUE_BLOCK, per_sm=16), (GLUE_BLOCK,),
+            (qkv, q, k, v, np.int32(B), np.int32(T), np.int32(n_head), np.int32(D)))
     return q, k, v
 
 
@@ -143,10 +142,11 @@ def merge_heads(o, out=None):
     """(B, H, T, D) -> (B, T, H*D)."""
     o = expect_array(o, "o", dtype=np.float32, ndim=4)
     B, H, T, D = o.shape
-    y = _out(out, "out", (B, T, H * D))
+    y = out_array(out, (B, T, H * D))
     if o.size:
-        _kernel("sublayer_glue.cu", "merge_heads")(
-            _grid_stride(o.size), (GLUE_BLOCK,), (o, y, np.int32(B), np.int32(T), np.int32(H), np.int32(D)))
+        get_kernel(GLUE, "merge_heads", GLUE_DEFINES)(
+            launch_grid(o.size, GLUE_BLOCK, per_sm=16), (GLUE_BLOCK,),
+            (o, y, np.int32(B), np.int32(T), np.int32(H), np.int32(D)))
     return y
 
 
@@ -157,6 +157,7 @@ PARAM_SHAPES = {"ln1_w": ("C",), "ln1_b": ("C",), "w_qkv": ("C", "3C"), "b_qkv":
 
 def sublayer_params(C: int, seed: int = 0) -> dict:
     """Random GPT-2-shaped attention-sublayer weights (float32 CuPy arrays), never zeros or ones."""
+    require_gpu()
     import cupy as cp
     from common import rand
     dims = {"C": C, "3C": 3 * C}
@@ -205,6 +206,7 @@ class AttentionSublayer:
 
     def __init__(self, x, params: dict, n_head: int, fused: bool, eps: float = 1e-5,
                  out_residual=None, out_ln=None):
+        require_gpu()
         import cupy as cp
         x = expect_array(x, "x", dtype=np.float32, ndim=3)
         B, T, C = x.shape
@@ -213,8 +215,8 @@ class AttentionSublayer:
         p = _check_params(params, C)
         N, D = B * T, C // n_head
         self.x, self.p, self.n_head, self.fused, self.eps = x, p, n_head, fused, eps
-        self.r = _out(out_residual, "out_residual", (B, T, C))
-        self.y = _out(out_ln, "out_ln", (B, T, C))
+        self.r = out_array(out_residual, (B, T, C), name="out_residual")
+        self.y = out_array(out_ln, (B, T, C), name="out_ln")
         e = cp.empty
         self.h = e((N, C), cp.float32)
         self.qkv = e((N, 3 * C), cp.float32)
@@ -294,15 +296,16 @@ DECODE_VERSIONS = ("separate", "separate-splitk", "two", "fused")
 _decode_workspaces: dict = {}
 
 
-def _decode_kernel(D: int, name: str):
+def _decode_defines(D: int) -> dict:
     if D % 32 or not 32 <= D <= 256:
         raise ValueError(f"q: head dimension must be a multiple of 32 between 32 and 256, got {D}")
-    return _kernel("sublayer_decode.cu", name, defines={"HEAD_DIM": D})
+    return {"HEAD_DIM": D, "BLOCK": DECODE_BLOCK}
 
 
 def decode_workspace(B: int, C: int):
     """The zeroed (accum (B, C) float32, counter (B,) int32) pair the one- and two-kernel versions use.
     The kernels leave it zeroed, so one per shape is reused (not safe for concurrent calls on two streams)."""
+    require_gpu()
     import cupy as cp
     key = (cp.cuda.Device().id, B, C)
     if key not in _decode_workspaces:
@@ -321,15 +324,18 @@ def _check_decode(q, k_cache, v_cache, lengths):
     return q, k_cache, v_cache, lengths
 
 
-def decode_attention(q, k_cache, v_cache, lengths, out=None):
-    """One query per sequence against its first lengths[b] cache rows (clamped to [0, Lmax]; 0 gives zeros).
-    q (B, H, D), caches (B, H, Lmax, D), lengths int32 (B,) on the GPU. Returns (B, H*D), heads merged."""
+def decode_attention_merged(q, k_cache, v_cache, lengths, out=None):
+    """Decode attention with the heads merged on the store: returns (B, H*D), the projection GEMM's input.
+    One query per sequence against its first lengths[b] cache rows (clamped to [0, Lmax]; 0 gives zeros).
+    q (B, H, D), caches (B, H, Lmax, D), lengths int32 (B,) on the GPU. One block per (head, sequence),
+    running the same attention code as the fused decode kernel, so the decode versions differ only in
+    fusion (step 2's decode_attention is the split-K one: (B, H, D) out, lengths >= 1)."""
     q, k_cache, v_cache, lengths = _check_decode(q, k_cache, v_cache, lengths)
     B, H, D = q.shape
-    y = _out(out, "out", (B, H * D))
+    y = out_array(out, (B, H * D))
     if B:
-        _decode_kernel(D, "decode_attention")(
-            (H, B), (256,), (q, k_cache, v_cache, lengths, y, np.int32(H), np.int32(k_cache.shape[2]),
+        get_kernel(DECODE, "decode_attention_merged", _decode_defines(D))(
+            (H, B), (DECODE_BLOCK,), (q, k_cache, v_cache, lengths, y, np.int32(H), np.int32(k_cache.shape[2]),
                              np.float32(1.0 / math.sqrt(D))))
     return y
 
@@ -337,11 +343,11 @@ def decode_attention(q, k_cache, v_cache, lengths, out=None):
 def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b, eps: float = 1e-5,
                     version: str = "fused", out_residual=None, out_ln=None, workspace=None, attn_out=None,
                     proj_out=None):
-    """Decode-step tail: r = x + decode_attention(...) @ w_proj + b_proj, y = LayerNorm(r). Returns (r, y).
+    """Decode-step tail: r = x + attention(q, caches) @ w_proj + b_proj, y = LayerNorm(r). Returns (r, y).
 
-    version "separate": decode_attention, cupy.matmul, residual_layernorm (3 launches);
-            "separate-splitk": the same with step 2's split-K decode attention (4 launches; lengths >= 1);
-            "two":      decode_attention, then projection + bias + residual + LN in one kernel;
+    version "separate": decode_attention_merged, cupy.matmul, residual_layernorm (3 launches);
+            "separate-splitk": the same with step 2's split-K decode_attention (4 launches; lengths >= 1);
+            "two":      decode_attention_merged, then projection + bias + residual + LN in one kernel;
             "fused":    all of it in one kernel (see sublayer_decode.cu).
     x (B, C) may be out_residual (in place). b_proj may be None."""
     import cupy as cp
@@ -354,20 +360,19 @@ def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b,
         b_proj = expect_array(b_proj, "b_proj", dtype=np.float32, shape=(C,))
     ln_w = expect_array(ln_w, "ln_w", dtype=np.float32, shape=(C,))
     ln_b = expect_array(ln_b, "ln_b", dtype=np.float32, shape=(C,))
-    if version not in DECODE_VERSIONS:
-        raise ValueError(f"version: expected one of {DECODE_VERSIONS}, got {version!r}")
-    r = _out(out_residual, "out_residual", (B, C))
-    y = _out(out_ln, "out_ln", (B, C))
+    expect_choice(version, "version", DECODE_VERSIONS)
+    r = out_array(out_residual, (B, C), name="out_residual")
+    y = out_array(out_ln, (B, C), name="out_ln")
     if B == 0:
         return r, y
     if version.startswith("separate"):
         if version == "separate":
-            attn = decode_attention(q, k_cache, v_cache, lengths, out=attn_out)
+            attn = decode_attention_merged(q, k_cache, v_cache, lengths, out=attn_out)
         else:       # step 2's flash-decoding: the cache split over many blocks, then a combine kernel
-            from step2_attention.flash import decode_attention as decode_attention_splitk
-            attn = _out(attn_out, "attn_out", (B, C))
-            decode_attention_splitk(q, k_cache, v_cache, lengths, out=attn.reshape(B, H, D))
-        proj = cp.matmul(attn, w_proj, out=_out(proj_out, "proj_out", (B, C)))
+            from step2_attention.flash import decode_attention
+            attn = out_array(attn_out, (B, C), name="attn_out")
+            decode_attention(q, k_cache, v_cache, lengths, out=attn.reshape(B, H, D))
+        proj = cp.matmul(attn, w_proj, out=out_array(proj_out, (B, C), name="proj_out"))
         return residual_layernorm(x, proj, b_proj, ln_w, ln_b, eps, out_residual=r, out_ln=y)
     accum, counter = workspace if workspace is not None else decode_workspace(B, C)
     expect_array(accum, "workspace[0]", dtype=np.float32, shape=(B, C))
@@ -376,45 +381,41 @@ def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b,
     pb = b_proj if b_proj is not None else ln_b
     tail = (x, ln_w, ln_b, accum, counter, r, y)
     if version == "two":
-        attn = decode_attention(q, k_cache, v_cache, lengths, out=attn_out)
-        _decode_kernel(D, "decode_proj_ln")((H, B), (256,), (attn, w_proj, pb, has_bias, *tail, np.int32(H),
-                                                               np.float32(eps)))
+        attn = decode_attention_merged(q, k_cache, v_cache, lengths, out=attn_out)
+        get_kernel(DECODE, "decode_proj_ln", _decode_defines(D))(
+            (H, B), (DECODE_BLOCK,), (attn, w_proj, pb, has_bias, *tail, np.int32(H), np.float32(eps)))
     else:
-        _decode_kernel(D, "decode_sublayer_fused")(
-            (H, B), (256,), (q, k_cache, v_cache, lengths, w_proj, pb, has_bias, *tail, np.int32(H),
+        get_kernel(DECODE, "decode_sublayer_fused", _decode_defines(D))(
+            (H, B), (DECODE_BLOCK,), (q, k_cache, v_cache, lengths, w_proj, pb, has_bias, *tail, np.int32(H),
                              np.int32(k_cache.shape[2]), np.float32(1.0 / math.sqrt(D)), np.float32(eps)))
     return r, y
 
 
 # ------------------------------------------------------------------------------------ when fusion hurts
-def conv2d_bias_relu(x, w, bias, fused: bool = True, out=None, block: int = 256):
-    """relu(conv2d(x, w) + bias): NCHW, stride 1, "same" zero padding, w (Cout, Cin, K, K) with K = 3.
+def conv2d_bias_relu(x, w, bias, fused: bool = True, out=None, block: int = GLUE_BLOCK):
+    """relu(conv2d(x, w) + bias): NCHW, stride 1, "same" zero padding, w (Cout, Cin, KSIZE, KSIZE).
     fused=False runs conv2d, bias_add_nchw and relu_inplace (3 launches) instead of one kernel."""
     x = expect_array(x, "x", dtype=np.float32, ndim=4)
     N, Cin, H, W = x.shape
     w = expect_array(w, "w", dtype=np.float32, ndim=4)
-    if w.shape[1:] != (Cin, 3, 3):
-        raise ValueError(f"w: expected shape (Cout, {Cin}, 3, 3), got {w.shape}")
+    if w.shape[1:] != (Cin, KSIZE, KSIZE):
+        raise ValueError(f"w: expected shape (Cout, {Cin}, {KSIZE}, {KSIZE}), got {w.shape}")
     Cout = w.shape[0]
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(Cout,))
-    y = _out(out, "out", (N, Cout, H, W))
+    y = out_array(out, (N, Cout, H, W))
     n = y.size
     if n == 0:
         return y
-    def kernel(name):
-        return _kernel("when_fusion_hurts.cu", name)
-    grid = _grid_stride(n, block)
+    grid = launch_grid(n, block, per_sm=16)
     dims = (np.int32(N), np.int32(Cin), np.int32(H), np.int32(W), np.int32(Cout))
     if fused:
-        kernel("conv2d_bias_relu")(grid, (block,), (x, w, bias, y, *dims))
+        get_kernel(HURTS, "conv2d_bias_relu", HURTS_DEFINES)(grid, (block,), (x, w, bias, y, *dims))
     else:
-        kernel("conv2d")(grid, (block,), (x, w, y, *dims))
-        kernel("bias_add_nchw")(grid, (block,), (y, bias, np.int64(n), np.int32(Cout), np.int32(H * W)))
-        kernel("relu_inplace")(grid, (block,), (y, np.int64(n)))
+        get_kernel(HURTS, "conv2d", HURTS_DEFINES)(grid, (block,), (x, w, y, *dims))
+        get_kernel(HURTS, "bias_add_nchw", HURTS_DEFINES)(
+            grid, (block,), (y, bias, np.int64(n), np.int32(Cout), np.int32(H * W)))
+        get_kernel(HURTS, "relu_inplace", HURTS_DEFINES)(grid, (block,), (y, np.int64(n)))
     return y
-
-
-OVERFUSE_THREADS = 128
 
 
 def _positive_int(value, name: str) -> int:
@@ -428,14 +429,14 @@ def overfused_smem(rows: int, C: int) -> int:
     return _positive_int(rows, "rows") * C * 4
 
 
-def overfused_kernel(rows: int = 8, cols: int = 4):
+def overfused_kernel(rows: int = HURTS_DEFINES["OVERFUSE_ROWS"], cols: int = HURTS_DEFINES["OVERFUSE_COLS"]):
     """The ln_linear_overfused kernel compiled for a tile of rows x cols accumulators per thread."""
     rows, cols = _positive_int(rows, "rows"), _positive_int(cols, "cols")
-    return _kernel("when_fusion_hurts.cu", "ln_linear_overfused",
-                   defines={"OVERFUSE_ROWS": rows, "OVERFUSE_COLS": cols})
+    return get_kernel(HURTS, "ln_linear_overfused", {**HURTS_DEFINES, "OVERFUSE_ROWS": rows, "OVERFUSE_COLS": cols})
 
 
-def ln_linear_overfused(x, ln_w, ln_b, w, bias, eps: float = 1e-5, rows: int = 8, cols: int = 4, out=None):
+def ln_linear_overfused(x, ln_w, ln_b, w, bias, eps: float = 1e-5, rows: int = HURTS_DEFINES["OVERFUSE_ROWS"],
+                        cols: int = HURTS_DEFINES["OVERFUSE_COLS"], out=None):
     """LayerNorm(x) @ w + bias in one naive kernel (x (N, C), w (C, M)); see when_fusion_hurts.cu (b)."""
     x = _rows(x)
     N, C = x.shape
@@ -446,7 +447,7 @@ def ln_linear_overfused(x, ln_w, ln_b, w, bias, eps: float = 1e-5, rows: int = 8
         raise ValueError(f"w: expected shape ({C}, M), got {w.shape}")
     M = w.shape[1]
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(M,))
-    y = _out(out, "out", (N, M))
+    y = out_array(out, (N, M))
     rows, cols = _positive_int(rows, "rows"), _positive_int(cols, "cols")
     smem = overfused_smem(rows, C)
     k = overfused_kernel(rows, cols)

@@ -9,15 +9,16 @@
 // One warp per row with the row in registers (ln_row.cuh), so r is never re-read.
 //
 //   residual_layernorm    float4 loads/stores (all six arrays 16-byte aligned, C % 4 == 0)
-//   residual_layernorm_s  float loads, any C and any alignment
+//   residual_layernorm_scalar  float loads, any C and any alignment
 //
 // r may be x itself (in place): each element is read before the same thread writes it, and x/r are
 // deliberately not __restrict__. proj_bias may be null (has_bias = 0).
+// Compile-time knob: BLOCK (threads per block, one warp per row), passed by ops.py (LN_BLOCK).
 #include "course.cuh"
 #include "ln_row.cuh"
 
 #ifndef BLOCK
-#define BLOCK 256
+#error "BLOCK is passed by ops.py"
 #endif
 
 template <int V>
@@ -54,9 +55,9 @@ extern "C" __global__ void residual_layernorm(const float* x, const float* __res
     residual_layernorm_body<4>(x, proj, proj_bias, has_bias, w, b, r, y, N, C, eps);
 }
 
-extern "C" __global__ void residual_layernorm_s(const float* x, const float* __restrict__ proj,
-                                                const float* __restrict__ proj_bias, int has_bias,
-                                                const float* __restrict__ w, const float* __restrict__ b,
-                                                float* r, float* __restrict__ y, int N, int C, float eps) {
+extern "C" __global__ void residual_layernorm_scalar(const float* x, const float* __restrict__ proj,
+                                                     const float* __restrict__ proj_bias, int has_bias,
+                                                     const float* __restrict__ w, const float* __restrict__ b,
+                                                     float* r, float* __restrict__ y, int N, int C, float eps) {
     residual_layernorm_body<1>(x, proj, proj_bias, has_bias, w, b, r, y, N, C, eps);
 }

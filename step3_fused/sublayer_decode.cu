@@ -7,9 +7,10 @@
 // Every tensor except the cache and W_proj is tiny (B*C floats), so the separate pipeline's cost is
 // mostly launches and the GEMM's poor shape (M = B rows), not DRAM traffic. Versions:
 //
-//   decode_attention        one block per (head, sequence): 8 warps split the cache rows, each warp
+//   decode_attention_merged one block per (head, sequence): 8 warps split the cache rows, each warp
 //                           keeps an online softmax (8 keys per step for ILP), warps merge through
-//                           shared memory. Then cupy.matmul + residual_layernorm = the separate pipeline.
+//                           shared memory; writes the heads merged, (B, C). Then cupy.matmul + residual_layernorm
+//                           = the separate pipeline.
 //   decode_proj_ln          kernel 2 of a two-kernel version: projection + bias + residual + LayerNorm.
 //   decode_sublayer_fused   everything in one kernel. The trick that makes it possible: the projection
 //                           is linear in the heads, o @ W = sum_h o_h @ W[h*D:(h+1)*D, :], so the block
@@ -20,15 +21,15 @@
 //                           replay) finds them clean. Cost of the trick: every (b, h) block reads its
 //                           slice of W, so W is read B times (from L2) instead of once, and B*H*C atomics.
 //
-// Knobs: HEAD_DIM (multiple of 32, default 64), BLOCK (threads, default 256).
+// Knobs: HEAD_DIM (a multiple of 32) and BLOCK (threads per block), both passed by ops.py.
 // Float atomics make the order of the H partial sums vary: results differ from run to run in the last bits.
 #include "course.cuh"
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 64
+#error "HEAD_DIM is passed by ops.py"
 #endif
 #ifndef BLOCK
-#define BLOCK 256
+#error "BLOCK is passed by ops.py"
 #endif
 #define NWARPS (BLOCK / 32)
 #define DPL (HEAD_DIM / 32)      // head dimensions per lane
@@ -113,7 +114,7 @@ __device__ __forceinline__ int clamp_len(const int* lengths, int b, int Lmax) {
 }
 
 // grid (H, B): out[b, h*D + d] (heads merged, ready for the projection GEMM).
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_attention(
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_attention_merged(
         const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
         const int* __restrict__ lengths, float* __restrict__ out, int H, int Lmax, float scale) {
     __shared__ DecodeSmem s;
@@ -168,7 +169,7 @@ __device__ __forceinline__ void project_and_finish(
     if (threadIdx.x == 0) counter[b] = 0;
 }
 
-// Kernel 2 of the two-kernel version: attn (B, C) from decode_attention. grid (H, B).
+// Kernel 2 of the two-kernel version: attn (B, C) from decode_attention_merged. grid (H, B).
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_proj_ln(
         const float* __restrict__ attn, const float* __restrict__ w_proj, const float* __restrict__ b_proj,
         int has_bias, const float* x, const float* __restrict__ ln_w, const float* __restrict__ ln_b,

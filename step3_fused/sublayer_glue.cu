@@ -16,8 +16,9 @@
 // then writes element i, so aliasing is harmless - as long as the compiler is not told otherwise. Their
 // x/y (a/b/y) pointers are therefore NOT __restrict__: promising no aliasing and then passing the same
 // buffer twice is undefined behaviour, even when it happens to work.
+// Compile-time knob: BLOCK (threads per block), passed by ops.py (GLUE_BLOCK), which launches with it.
 #ifndef BLOCK
-#define BLOCK 256
+#error "BLOCK is passed by ops.py"
 #endif
 
 extern "C" __global__ void bias_add_rows(const float* x, const float* __restrict__ bias,

@@ -22,11 +22,13 @@
 //   embedding_backward: dense demb (must be zeroed) by atomic scatter; needed for AdamW, which updates
 //       every row. embedding_sgd: for SGD the update IS the scattered gradient, so the fused step applies
 //       -lr * dx / K straight into the embedding table and never materialises the V*E gradient.
+// Compile-time knobs, passed by training.py (which sizes the grids with them): COLS columns per block strip
+// (32 = one warp wide, so row reads are 128-byte coalesced) and ROWS warps per block, splitting the batch.
 #ifndef COLS
-#define COLS 32           // columns per block strip (one warp wide, so row reads are 128-byte coalesced)
+#error "COLS is passed by training.py"
 #endif
 #ifndef ROWS
-#define ROWS 8            // warps per block, splitting the batch
+#error "ROWS is passed by training.py"
 #endif
 
 // Sum over the rows of a strip: thread (lane, warp) owns column col, rows warp, warp+ROWS, ...

@@ -15,9 +15,10 @@
 //   p -= lr * (wd * p + (m / bc1) / (sqrt(v / bc2) + eps)), with bc1 = 1 - b1^t, bc2 = 1 - b2^t.
 // 1-b1 and 1-b2 arrive precomputed in double on the host (omb1, omb2): 1 - 0.999f in float32 is off by
 // 1.3e-5 relative, which shows up in the first step as a 6e-6 error in every update.
-// Compile-time knob: CHUNK (elements per block in the multi-tensor kernels, default 4096).
+// Compile-time knob: CHUNK (elements per block in the multi-tensor kernels), passed by training.py, which
+// lays out the block table with it.
 #ifndef CHUNK
-#define CHUNK 4096
+#error "CHUNK is passed by training.py"
 #endif
 
 __device__ __forceinline__ void adamw_element(float* p, const float* g, float* m, float* v, long long i,

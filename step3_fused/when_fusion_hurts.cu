@@ -19,20 +19,20 @@
 //     sizes (-DOVERFUSE_ROWS=.. -DOVERFUSE_COLS=..) and reads registers, spills and occupancy.
 //       ln_linear_overfused
 //
-// Knobs: KSIZE (odd, default 3), OVERFUSE_ROWS (default 8), OVERFUSE_COLS (default 4), OVERFUSE_THREADS (128).
+// Knobs: KSIZE (odd), OVERFUSE_ROWS, OVERFUSE_COLS, OVERFUSE_THREADS, all passed by ops.py.
 #include "course.cuh"
 
 #ifndef KSIZE
-#define KSIZE 3
+#error "KSIZE is passed by ops.py"
 #endif
 #ifndef OVERFUSE_ROWS
-#define OVERFUSE_ROWS 8
+#error "OVERFUSE_ROWS is passed by ops.py"
 #endif
 #ifndef OVERFUSE_COLS
-#define OVERFUSE_COLS 4
+#error "OVERFUSE_COLS is passed by ops.py"
 #endif
 #ifndef OVERFUSE_THREADS
-#define OVERFUSE_THREADS 128
+#error "OVERFUSE_THREADS is passed by ops.py"
 #endif
 
 // ------------------------------------------------------------------ (a) conv2d + bias + ReLU

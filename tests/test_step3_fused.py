@@ -8,10 +8,14 @@ fp32 computation on O(1) values); 1e-5 where an fp32 dot product of hundreds to 
 involved (convolution, decode attention + projection, the over-fused GEMM); 2e-5 for the attention
 sublayers, which chain two fp32 cuBLAS GEMMs (K = C and 3C accumulations, possibly split-K) with
 attention over T keys: each adds ~sqrt(K) * 6e-8 relative error, and LayerNorm passes it on."""
+import ast
+import inspect
+
 import numpy as np
 import pytest
 
-from common import assert_close, poison, rand, reference as R
+from common import assert_close, capture_graph, poison, rand, reference as R
+from common.kernels import compile_offline, kernel_source, supported_archs
 from common.reference import fusion as RF
 
 try:
@@ -69,6 +73,60 @@ def test_reference_decode_sublayer_is_the_last_row_of_the_full_sublayer():
     np.testing.assert_allclose(rd, r[:, -1], rtol=1e-12)
     np.testing.assert_allclose(yd, y[:, -1], rtol=1e-12)
     assert RF.merge_heads(q).shape == (B, T, C) and q.shape == (B, H, T, D)
+
+
+# ------------------------------------------------------------------ CPU: every kernel the wrappers name exists
+def _kernel_names(module) -> list:
+    """(path, name) of every get_kernel(path, name, ...) call in a module's source. A name given as a
+    variable is followed to the string literals assigned to it in the same function, or, when it is a
+    parameter of that function, passed for it by the module's calls of the function."""
+    tree = ast.parse(inspect.getsource(module))
+    funcs = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)]
+
+    def literals(node):
+        return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+    found = []
+    for fn in funcs:
+        for call in ast.walk(fn):
+            if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "get_kernel"):
+                continue
+            path, name = getattr(module, call.args[0].id), call.args[1]
+            assert not isinstance(name, ast.JoinedStr), f"{fn.name}: build kernel names from literals, not f-strings"
+            if isinstance(name, ast.Name):
+                params = [a.arg for a in fn.args.args]
+                if name.id in params:
+                    i = params.index(name.id)
+                    names = [lit for c in ast.walk(tree) if isinstance(c, ast.Call)
+                             and getattr(c.func, "id", None) == fn.name for lit in literals(c.args[i])]
+                else:
+                    names = [lit for a in ast.walk(fn) if isinstance(a, ast.Assign)
+                             and any(getattr(t, "id", None) == name.id for t in a.targets) for lit in literals(a.value)]
+            else:
+                names = literals(name)
+            assert names, f"{module.__name__}.{fn.name}: no kernel name found for a get_kernel call"
+            found += [(path, n) for n in names]
+    return found
+
+
+def _step3_modules():
+    from step3_fused import ops, training
+    return ops, training
+
+
+@pytest.mark.parametrize("module", ["ops", "training"])
+def test_every_kernel_name_exists(module):
+    """Every name the wrappers pass to get_kernel is a kernel of its .cu, compiled offline with the module's
+    CU_DEFINES (tests/test_compile.py compiles the same files with them for every arch, warnings and spills)."""
+    mod = dict(zip(("ops", "training"), _step3_modules()))[module]
+    names = _kernel_names(mod)
+    assert {p for p, _ in names} == set(mod.CU_DEFINES), "CU_DEFINES must list exactly the .cu files launched"
+    for path, defines in mod.CU_DEFINES.items():
+        report = compile_offline(path, max(supported_archs()), defines=defines)
+        for p, name in names:
+            if p == path:
+                assert kernel_source(path, name), name
+                assert name in report.kernels, f"{mod.__name__} launches {name!r}, which {path.name} does not define"
 
 
 # ------------------------------------------------------------------ GPU
@@ -196,11 +254,8 @@ def test_layernorm_and_residual_are_graph_capturable():
     ops.layernorm(y, w, b, out=z)
     poison(r), poison(y), poison(z)
     stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        ops.residual_layernorm(x, p, pb, w, b, out_residual=r, out_ln=y)
-        ops.layernorm(y, w, b, out=z)
-        graph = stream.end_capture()
+    graph = capture_graph(lambda: (ops.residual_layernorm(x, p, pb, w, b, out_residual=r, out_ln=y),
+                                   ops.layernorm(y, w, b, out=z)), stream)
     graph.launch(stream)
     stream.synchronize()
     want_r, want_y = R.residual_layernorm(x0, p, pb, w, b, 1e-5)
@@ -313,7 +368,7 @@ def test_decode_sublayer(version, B, H, D, L, lengths, bias=True):
     ops = _ops()
     q, kc, vc, lens, x, w, pb, lw, lb = _decode_case(B, H, D, L, lengths, bias=bias)
     want_r, want_y = RF.decode_sublayer(x, q, kc, vc, lengths, w, pb, lw, lb)
-    assert_close(ops.decode_attention(q, kc, vc, lens, out=poison(cp.empty((B, H * D), cp.float32))),
+    assert_close(ops.decode_attention_merged(q, kc, vc, lens, out=poison(cp.empty((B, H * D), cp.float32))),
                  R.decode_attention(q, kc, vc, lengths).reshape(B, -1), rtol=1e-5, name="decode attention")
     for repeat in range(2):          # the second call checks that the kernels left their workspace clean
         r, y = poison(cp.empty_like(x)), poison(cp.empty_like(x))
@@ -347,10 +402,8 @@ def test_decode_fused_is_graph_capturable():
     ops.decode_sublayer(x, q, kc, vc, lens, w, pb, lw, lb, out_residual=r, out_ln=y, workspace=ws)
     poison(r), poison(y)
     stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        ops.decode_sublayer(x, q, kc, vc, lens, w, pb, lw, lb, out_residual=r, out_ln=y, workspace=ws)
-        graph = stream.end_capture()
+    graph = capture_graph(lambda: ops.decode_sublayer(x, q, kc, vc, lens, w, pb, lw, lb, out_residual=r, out_ln=y,
+                                                      workspace=ws), stream)
     for _ in range(3):
         graph.launch(stream)
     stream.synchronize()
@@ -429,7 +482,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="cols: expected a positive integer"):
         ops.ln_linear_overfused(x, w, b, g(8, 5, seed=4), g(5, seed=5), cols=-2)
     with pytest.raises(ValueError, match="head dimension"):
-        ops.decode_attention(g(1, 1, 48, seed=1), g(1, 1, 4, 48, seed=2), g(1, 1, 4, 48, seed=3),
+        ops.decode_attention_merged(g(1, 1, 48, seed=1), g(1, 1, 4, 48, seed=2), g(1, 1, 4, 48, seed=3),
                              cp.ones(1, cp.int32))
     with pytest.raises(ValueError, match="n_head"):
         ops.attention_sublayer_fused(g(1, 4, 8, seed=1), ops.sublayer_params(8), 3)

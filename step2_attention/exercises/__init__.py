@@ -49,7 +49,7 @@ def _merge_make(p, rng):
     parts = []
     for mask in (j < split, j >= split):
         m = np.where(mask, s, NEG_INF).max(axis=1)
-        w = np.where(mask, np.exp(s - np.where(np.isfinite(m), m, 0.0)[:, None]), 0.0)
+        w = np.exp(np.where(mask, s, NEG_INF) - np.where(np.isfinite(m), m, 0.0)[:, None])   # 0 where masked
         l = w.sum(axis=1)
         o = np.einsum("rl,rld->rd", w, v) / np.where(l > 0, l, 1.0)[:, None]
         parts.append((m, l, o))

@@ -5,8 +5,8 @@
 // q, k, v, o are (H, T, D) float32 (batch and heads flattened, D = HEAD_DIM = 64). One warp per query
 // row, 4 rows per block (the course's flash_v1 layout, fp32, natural exp). Keys come in tiles of 32:
 // lane j scores key k0 + j into s (-inf where masked or past T). The loop, the loads and the final
-// o = acc / l are written. What is missing is the heart of flash attention, the running state update
-// after each tile. The state of a row (kept identical in all 32 lanes):
+// o = acc / l and lse = m + log(l) are written (so m and l are checked too). What is missing is the
+// heart of flash attention, the running state update after each tile. The state of a row (kept identical in all 32 lanes):
 //   m   = the largest score seen so far (starts at -inf)
 //   l   = sum of exp(score - m) over the keys seen so far
 //   acc = sum of exp(score - m) * v[key, :] so far (lane owns dims lane and lane + 32)

@@ -1,0 +1,23 @@
+// classifier_row.cu - exercise 12 of step 3: softmax, cross-entropy loss and the logits' gradient of
+// one row, in one kernel.
+//
+// z is (rows, V) logits, targets (rows,) the right class of each row, in 0 .. V-1. For each row r:
+//   loss[r] = logsumexp(z[r, :]) - z[r, t]       t = targets[r]; logsumexp = m + log(sum_i exp(z_i - m))
+//   z[r, i] <- (softmax(z[r, :])_i - (i == t ? 1 : 0)) * scale       IN PLACE, every i < V
+// Launch: one block of 256 threads per row; V can be 1, 37 or 50257, and the logits can be in the
+// hundreds (so exp(z) alone overflows: work relative to the row's max m).
+// Aim for two passes over the row: one that finds the max and the sum of exp together (online softmax:
+// keep a running max m and a sum s of exp(z - m); when a larger value arrives, multiply s by
+// exp(m_old - m_new) first), and one that writes the gradient. block_max / block_sum from course.cuh
+// combine the threads' values (they need a __shared__ float scratch[32]; their barriers also order
+// what happened before them). Mind the race: the thread that writes z[r, t] may run before the
+// thread that reads z[r, t] for the loss, unless the read comes first.
+// Check it with: from common.exercises import check; check("step3/classifier_row")
+#include "course.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)
+
+extern "C" __global__ void classifier_row(float* __restrict__ z, const int* __restrict__ targets,
+                                          float* __restrict__ loss, int V, float scale) {
+    // TODO: your code here
+}
