@@ -283,9 +283,11 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | None = None,
-                    options: tuple = ()) -> CompileReport:
+                    options: tuple = (), name_expressions: tuple = ()) -> CompileReport:
     """Compile with NVRTC for sm_<arch> without a GPU or driver; report resources per kernel.
 
+    `name_expressions` instantiates templated kernels (e.g. "gemv_v5<EPI_BIAS, true>"), as `get_kernel` does
+    on the GPU; the report lists them under those names instead of their mangled ones.
     Raises KernelCompileError on an error. Warnings are returned in `report.warnings` (CI fails on them).
     """
     nvrtc = _nvrtc()
@@ -301,13 +303,18 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
             *(f"-I{d}" for d in _include_dirs(path)), f"-I{_runtime_include()}",
             *_define_options(defines), *options]
     prog = nvrtc.createProgram(code, _display_name(path), (), ())
+    lowered = {}
     try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
         try:
             nvrtc.compileProgram(prog, tuple(opts))
             ok = True
         except nvrtc.NVRTCError:
             ok = False
         log = nvrtc.getProgramLog(prog).rstrip("\x00 \n")
+        if ok:
+            lowered = {nvrtc.getLoweredName(prog, expr): expr for expr in name_expressions}
     finally:
         nvrtc.destroyProgram(prog)
     if not ok:
@@ -317,10 +324,16 @@ def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | Non
     report.warnings = [ln for ln in log.splitlines()
                        if "warning" in ln and "deprecated" not in ln and not ln.startswith("ptxas info")]
     for m in _PTXAS_USED.finditer(log):
-        report.kernels[m[1]] = KernelResources(m[1], registers=int(m[2]), shared_bytes=int(m[3] or 0))
+        name = lowered.get(m[1], m[1])
+        report.kernels[name] = KernelResources(name, registers=int(m[2]), shared_bytes=int(m[3] or 0))
     for m in _PTXAS_FUNC.finditer(log):
-        k = report.kernels.setdefault(m[1], KernelResources(m[1]))
+        name = lowered.get(m[1], m[1])
+        k = report.kernels.setdefault(name, KernelResources(name))
         k.stack_bytes, k.spill_stores, k.spill_loads = int(m[2]), int(m[3]), int(m[4])
+    missing = [e for e in name_expressions if e not in report.kernels]
+    if missing:
+        raise KernelCompileError(f"{_display_name(path)} (sm_{arch}): no kernel was compiled for {missing}; "
+                                 f"is each a __global__ template instantiation of this file?")
     if "__global__" in code and not report.kernels:
         raise RuntimeError(f"NVRTC {version} compiled {_display_name(path)} "
                            f"for sm_{arch} but gave no ptxas resource report; its log was: {log!r}")

@@ -1,7 +1,11 @@
-"""Command line: python -m step4_gpt2 "Hello, I'm a language model," --max-new-tokens 64 --temperature 0.8 --seed 0
+"""Generate text with GPT-2 running on the course's own kernels.
 
-Downloads GPT-2 (124M) from Hugging Face once; offline it runs the same model with random weights and
-says so (the text is then gibberish). --weights PATH loads a local model.safetensors instead.
+    python -m step4_gpt2 "Hello, I'm a language model," --max-new-tokens 64 --temperature 0.8 --seed 0
+    python -m step4_gpt2 --weights my_model "ROMEO:"          a folder with model.safetensors + config.json
+
+Without --weights, GPT-2 comes from the Hugging Face cache, or is downloaded once; offline with nothing
+cached it runs the same model with random weights and says so (the text is then gibberish). A folder
+holding a char_vocab.json is read with that character vocabulary, any other with GPT-2's tokenizer.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None) -> int:
+    from step4_gpt2.generate import MODES
     p = argparse.ArgumentParser(prog="python -m step4_gpt2", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="+", help="one or more prompts (a batch)")
@@ -22,31 +27,41 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, gpt2-large or gpt2-xl")
-    p.add_argument("--weights", default=None, help="a local model.safetensors (HF layout)")
-    p.add_argument("--no-graph", action="store_true", help="launch every kernel of a decode step (no CUDA graph)")
+    p.add_argument("--weights", default=None, metavar="PATH",
+                   help="a folder with model.safetensors (+ config.json, + char_vocab.json), or the file itself")
+    p.add_argument("--decode", default="auto", choices=MODES,
+                   help="graph: replay each decode step from a CUDA graph; eager: launch every kernel; "
+                        "megakernel: one persistent kernel per step; auto: the fastest available")
+    p.add_argument("--no-graph", action="store_true", help="the same as --decode eager")
     args = p.parse_args(argv)
 
     from common.device import describe, require_gpu
-    from step4_gpt2 import weights
+    from step4_gpt2 import tokenizer, weights
     from step4_gpt2.generate import generate, generate_streamed
     from step4_gpt2.model import GPT
-    from step4_gpt2.tokenizer import EOT, decode, encode
 
-    require_gpu()
+    try:
+        require_gpu()
+    except RuntimeError as e:            # no GPU / driver: the message alone, no traceback
+        print(e, file=sys.stderr)
+        return 2
     print(describe(), file=sys.stderr)
     # random weights (offline): load() prints the gibberish notice, once, to stderr (stdout is the text)
     cfg, params, _ = weights.load(args.model, path=args.weights, notice="stderr")
+    tok = tokenizer.for_checkpoint(args.weights) if args.weights else tokenizer.BPETokenizer()
     model = GPT(cfg, params)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-              cuda_graph=not args.no_graph)
+              mode="eager" if args.no_graph else args.decode)
+    if tok.eot is None:
+        kw["stop_at_eos"] = False
     if len(args.prompt) == 1:          # streamed as it is made
-        gen = generate_streamed(model, args.prompt[0], args.max_new_tokens, **kw)
+        gen = generate_streamed(model, args.prompt[0], args.max_new_tokens, tokenizer=tok, **kw)
     else:
-        gen = generate(model, [encode(t) for t in args.prompt], args.max_new_tokens, **kw)
+        gen = generate(model, [tok.encode(t) for t in args.prompt], args.max_new_tokens, **kw)
         for text, new in zip(args.prompt, gen.tokens):
-            print(f"--- {text}{decode([t for t in new if t != EOT])}")
+            print(f"--- {text}{tok.decode([t for t in new if t != tok.eot])}")
     print(f"[{sum(map(len, gen.tokens))} tokens; prefill {gen.prefill_s * 1e3:.1f} ms; decode "
-          f"{gen.tokens_per_s:,.0f} tokens/s{' with a CUDA graph' if gen.graph else ''}]", file=sys.stderr)
+          f"{gen.tokens_per_s:,.0f} tokens/s, decode mode {gen.mode}]", file=sys.stderr)
     return 0
 
 

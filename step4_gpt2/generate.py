@@ -3,45 +3,41 @@
     gen = generate(model, [ids], max_new_tokens=64, temperature=0.8, top_k=40, seed=0, on_token=print)
     gen.tokens[0]          # the new token ids of prompt 0
 
-- The KV cache and every buffer of a decode step are allocated before the first token (DecodeState).
-- Prompts of different lengths share one batch: they are right-padded; causal attention never lets a
-  real token see the padding, and each sequence's position (pos) and cache length (lens) live on the
-  device, so a new token is written at its own sequence's position.
-- cuda_graph=True: the first decode step runs eagerly (compiles and warms every kernel), then the step
-  is captured into a CUDA graph (CuPy stream capture, `capture`) and every later step replays it: all
-  the step's kernel launches (5 per block with the "fused" plan, 7 with "split", one more per block when
+generate() checks the prompts, pads them into one batch and hands the decoding to a decoder, chosen by
+`mode`:
+- "graph": a `Decoder` that runs the first decode step eagerly (compiling and warming every kernel), then
+  captures the step in a CUDA graph (`common.capture_graph`) and replays it for every later token: all
+  the step's launches (5 per block with the "fused" plan, 7 with "split", one more per block when
   attention v2 splits the cache; the notebook counts them) become one. One graph per attention version
   (step 2's v1 while the cache is short, v2 when long; the host knows each step's cache length and
-  replays the right one). Greedy decoding keeps the choice
-  (argmax) and the position update inside the graph too, so the host queues the next step before it
-  reads the last one's tokens. With model.keep_graphs the state and graphs are kept for the next call
-  with the same batch, cache length and greedy flag (as a server keeps its captured graphs).
-- Sampling (temperature > 0, top-k, top-p) draws one uniform number per sequence per step from a NumPy
-  Generator seeded with `seed`, so a seed gives the same text on every run.
+  replays the right one). Greedy decoding keeps the choice (argmax) and the position update inside the
+  graph too, so the host queues the next steps before it reads the last one's tokens (pipeline_depth).
+- "eager": the same Decoder launching every kernel of every step (cuda_graph=False).
+- "megakernel": `step4_gpt2.megakernel.MegakernelDecoder`, one persistent kernel per step, where present.
+- "auto" (default): the megakernel where its decoder says it is preferred for this batch (and takes the
+  options given), else "graph".
+The decoder (its KV cache, buffers and graphs) is kept on the model for the next call with the same batch,
+cache length, greedy flag and options, as a server keeps its captured graphs (reuse=False: not kept).
+Prompts of different lengths share one batch: they are right-padded; causal attention never lets a real
+token see the padding, and each sequence's position (pos) and cache length (lens) live on the device.
+Sampling (temperature > 0, top-k, top-p) draws one uniform number per sequence per step from a NumPy
+Generator seeded with `seed`, so a seed gives the same text on every run.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from common import capture_graph, expect_choice, require_gpu
+from step4_gpt2 import ops
 from step4_gpt2.tokenizer import EOT
 
-PIPELINE_DEPTH = 2     # greedy decode steps queued ahead of the host's token read (1 = none ahead)
-
-
-def capture(stream, fn):
-    """A CUDA graph of the work fn() enqueues on `stream` (recorded, not run). The capture is ended even
-    when fn raises, so the stream is usable again; fn must not allocate or sync (nothing a graph can't hold)."""
-    stream.begin_capture()
-    try:
-        with stream:
-            fn()
-    except BaseException:
-        stream.end_capture()
-        raise
-    return stream.end_capture()
+MODES = ("auto", "graph", "eager", "megakernel")
+PIPELINE_DEPTH = 2       # greedy decode steps queued ahead of the host's token read (1 = none ahead)
+ATTN_V1_MAX_LEN = 128    # step 2's decode_attention v1 (one launch) up to this many cached rows, then v2
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -91,7 +87,8 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0                    # decode steps run (tokens per sequence after the first)
-    graph: bool = False
+    graph: bool = False               # decoded by replaying CUDA graphs
+    mode: str = ""                    # the decoder's mode: "graph", "eager", "megakernel" ("no cache")
     info: dict = field(default_factory=dict)
 
     @property
@@ -120,15 +117,206 @@ def _prompts(prompts) -> list[list[int]]:
     return out
 
 
+class Decoder:
+    """Decodes one batch on the course's kernels: owns the decode state (KV cache and every buffer of a
+    step, allocated once), the stream, the CUDA graphs (one per attention version) and the pipelining.
+
+    The interface generate() uses; another decoder (step4_gpt2.megakernel.MegakernelDecoder) provides the same:
+      Decoder(model, batch, length, greedy, **options)   allocate everything: `length` cache rows per sequence
+      .mode, .batch, .length, .greedy                     what it is and what it was built for
+      .prefill(ids, lens, choose=None) -> np.int32 (B,)   run the prompts (ids: (B, T) int32 NumPy, right-padded;
+                                                          lens: each prompt's length) into the cache, return
+                                                          the first new token of each sequence (on the host)
+      .decode(n_steps, choose=None) -> iterator           each step's new tokens, np.int32 (B,) on the host,
+                                                          one array per step, as soon as that step is read;
+                                                          closing the iterator early waits for queued work
+      .info                                               a dict for Generation.info (set by prefill)
+    choose is None for greedy decoding (argmax on the device), else a function logits (B, V) CuPy -> (B,)
+    integer CuPy token ids (generate's seeded sampler). Options here: cuda_graph; plan ("fused" / "split",
+    None = model.py's plan_for(batch)); attention_version (1 or 2: the version used past
+    attention_v1_max_len cached rows; attention_v1_max_len=None: that version always); pipeline_depth
+    (greedy steps in flight).
+    """
+
+    def __init__(self, model, batch: int, length: int, greedy: bool = True, cuda_graph: bool = True,
+                 plan: str | None = None, attention_version: int = 2,
+                 attention_v1_max_len: int | None = ATTN_V1_MAX_LEN, pipeline_depth: int = PIPELINE_DEPTH):
+        require_gpu()
+        import cupy as cp
+        from step4_gpt2.model import PLANS, DecodeState, plan_for
+        if not isinstance(pipeline_depth, (int, np.integer)) or pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth: expected an integer >= 1, got {pipeline_depth!r}")
+        self.model, self.batch, self.length, self.greedy = model, batch, length, greedy
+        self.mode = "graph" if cuda_graph else "eager"
+        self.plan = expect_choice(plan or plan_for(batch), "plan", PLANS)
+        self.attention_version = expect_choice(attention_version, "attention_version", (1, 2))
+        self.attention_v1_max_len = attention_v1_max_len
+        self.pipeline_depth = int(pipeline_depth)
+        self.state = DecodeState(model.config, batch, length)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.graphs: dict = {}        # attention version -> CUDA graph of one step
+        self.warmed = False           # one eager step has run (kernels compiled, workspaces allocated)
+        self.info: dict = {}
+        self._rows = 0                # cache rows of the longest sequence after the last enqueued step
+
+    def attention_version_for(self, rows: int) -> int:
+        """Step 2's decode_attention version for a step whose longest sequence has `rows` cache rows:
+        v1 (one launch) while the cache is short, v2 (split-K + combine) once it is long."""
+        lim = self.attention_v1_max_len
+        return 1 if lim is not None and rows <= lim else self.attention_version
+
+    def prefill(self, ids, lens, choose=None) -> np.ndarray:
+        import cupy as cp
+        s = self.state
+        self.info = {"mode": self.mode, "plan": self.plan, "attention_versions": set()}
+        self._rows = max(lens)
+        with self.stream:
+            logits = self.model.forward(ids, cache=s.cache, last=np.asarray(lens) - 1)
+            s.pos[...] = cp.asarray(np.asarray(lens, np.int32))
+            s.lens[...] = s.pos + 1
+            self._choose(logits, choose)
+            return s.tokens.get()
+
+    def decode(self, n_steps: int, choose=None):
+        if (choose is None) != self.greedy:
+            raise ValueError(f"choose: this decoder was built for greedy={self.greedy}; "
+                             f"pass choose={'None' if self.greedy else 'a sampler'}")
+        try:
+            yield from (self._pipelined(n_steps) if self.greedy else self._sampled(n_steps, choose))
+        finally:
+            self.stream.synchronize()      # nothing may still run when the state is reused
+
+    # ------------------------------------------------------------------ inside
+    def _choose(self, logits, choose) -> None:
+        import cupy as cp
+        if choose is None:
+            ops.argmax(logits, self.state.tokens)
+        else:
+            self.state.tokens[...] = cp.asarray(choose(logits)).astype(cp.int32)
+
+    def _step(self) -> None:
+        """Enqueue the next decode step on self.stream: a graph replay, or eager launches (the first step,
+        which compiles and warms every kernel, then captures the graph: recorded, not run)."""
+        s, m = self.state, self.model
+        self._rows += 1
+        version = self.attention_version_for(self._rows)
+        self.info["attention_versions"].add(version)
+        step = lambda: m.decode_step(s, greedy=self.greedy, attention_version=version, plan=self.plan)  # noqa: E731
+        graph = self.mode == "graph"
+        if graph and version not in self.graphs and self.warmed:
+            self._warm(version)
+            self.graphs[version] = capture_graph(step, self.stream)
+        if graph and version in self.graphs:
+            self.graphs[version].launch(self.stream)
+            return
+        step()
+        self.warmed = True
+        if graph:
+            self.graphs[version] = capture_graph(step, self.stream)
+
+    def _warm(self, version: int) -> None:
+        """What a first step with this attention version sets up (decode_attention's workspace), run eagerly
+        so the capture allocates nothing. Writes s.att only."""
+        s, cfg = self.state, self.model.config
+        B, H, D = s.batch, cfg.n_head, cfg.head_dim
+        ops.decode_attention(s.q.reshape(B, H, D), s.cache.k[0], s.cache.v[0], s.lens,
+                             out=s.att.reshape(B, H, D), version=version)
+
+    def _pipelined(self, n_steps: int):
+        """Greedy: the tokens stay on the device (argmax feeds the next step), so the host queues step k+1
+        before it reads step k's tokens (an async copy into pinned memory): the GPU never waits for the
+        host's read + launch between two steps. On EOS at most pipeline_depth - 1 steps are wasted."""
+        import cupyx
+        depth, launched, pending = self.pipeline_depth, 0, []
+        ring = cupyx.empty_pinned((depth + 1, self.batch), np.int32)
+        while True:
+            while launched < n_steps and len(pending) < depth:
+                with self.stream:
+                    self._step()
+                    slot = ring[launched % (depth + 1)]
+                    self.state.tokens.get(stream=self.stream, out=slot, blocking=False)
+                    pending.append((self.stream.record(), slot))
+                launched += 1
+            if not pending:
+                return
+            event, slot = pending.pop(0)
+            event.synchronize()
+            yield slot.copy()
+
+    def _sampled(self, n_steps: int, choose):
+        s = self.state
+        for _ in range(n_steps):
+            with self.stream:
+                self._step()
+                self._choose(s.logits, choose)
+                ops.advance(s.pos, s.lens)
+                host = s.tokens.get()
+            yield host
+
+
+def decoder_class(mode: str):
+    """The decoder class of a mode ("graph" and "eager": Decoder; "megakernel": MegakernelDecoder)."""
+    expect_choice(mode, "mode", MODES[1:])
+    if mode != "megakernel":
+        return Decoder
+    try:
+        from step4_gpt2.megakernel import MegakernelDecoder
+    except ImportError as e:
+        raise NotImplementedError(f"mode='megakernel' needs step4_gpt2.megakernel.MegakernelDecoder, which is not "
+                                  f"available here ({e}); use mode='graph' or mode='eager'") from None
+    return MegakernelDecoder
+
+
+def choose_mode(model, mode: str, batch: int, length: int, greedy: bool, cuda_graph: bool = True,
+                options: dict | None = None) -> str:
+    """The concrete mode of a call: "auto" is the megakernel where MegakernelDecoder.preferred(model, batch,
+    length, greedy) says so and it takes every option given, else "graph" ("eager" with cuda_graph=False)."""
+    import inspect
+    expect_choice(mode, "mode", MODES)
+    if not cuda_graph and mode not in ("auto", "eager"):
+        raise ValueError(f"cuda_graph: False asks for eager launches, but mode={mode!r}; pass one of them")
+    if mode != "auto":
+        return mode
+    if not cuda_graph:
+        return "eager"
+    try:
+        from step4_gpt2.megakernel import MegakernelDecoder
+    except ImportError:
+        return "graph"
+    params = inspect.signature(MegakernelDecoder).parameters
+    takes = set(options or ()) <= set(params) or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    preferred = getattr(MegakernelDecoder, "preferred", None)
+    return "megakernel" if takes and preferred is not None and preferred(model, batch, length, greedy) else "graph"
+
+
+def make_decoder(model, mode: str, batch: int, length: int, greedy: bool, reuse: bool = True, **options):
+    """A decoder for this call: the one kept on the model when it was built for the same mode, batch, cache
+    length, greedy flag and options, else a new one (kept for the next call when reuse)."""
+    key = (mode, batch, length, greedy, tuple(sorted(options.items())))
+    kept = getattr(model, "_kept_decoder", None)
+    if kept is not None and kept[0] == key and reuse:
+        return kept[1]
+    model._kept_decoder = kept = None            # free the old cache and graphs before allocating
+    cls = decoder_class(mode)
+    if mode in ("graph", "eager"):
+        options = {**options, "cuda_graph": mode == "graph"}
+    dec = cls(model, batch, length, greedy, **options)
+    if reuse:
+        model._kept_decoder = (key, dec)
+    return dec
+
+
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = 0, stop_at_eos: bool = True, kv_cache: bool = True,
-             cuda_graph: bool = True, on_token=None, eos: int = EOT) -> Generation:
+             cuda_graph: bool = True, on_token=None, eos: int = EOT, mode: str = "auto", reuse: bool = True,
+             decoder=None, **decoder_options) -> Generation:
     """New tokens for a batch of prompts (lists of ids, or strings). on_token(b, id) is called as each
     token is made (streaming). temperature=0 is greedy. Raises ValueError if a prompt plus the new
-    tokens would not fit the context (block_size)."""
-    import cupy as cp
-    from step4_gpt2.model import DecodeState, advance, argmax
-
+    tokens would not fit the context (block_size).
+    mode: "auto", "graph", "eager" or "megakernel" (cuda_graph=False is "eager"); decoder_options go to the
+    decoder (Decoder: plan, attention_version, attention_v1_max_len, pipeline_depth); reuse: keep the
+    decoder on the model for the next call; decoder: one the caller made and keeps (built for this batch,
+    cache length and greedy flag). kv_cache=False recomputes the whole sequence for every token."""
     check_sampling(temperature, top_k, top_p)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
@@ -146,14 +334,9 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     model.check_tokens(padded, "prompts")                     # ids in range, before any GPU work
     rng = np.random.default_rng(seed)
     greedy = temperature == 0
-    gen = Generation([[] for _ in range(B)], lens, graph=cuda_graph and kv_cache)
+    choose = None if greedy else (lambda logits: sample(logits, rng.random(B), temperature, top_k, top_p))
+    gen = Generation([[] for _ in range(B)], lens)
     done = [False] * B
-
-    def choose(logits, into):
-        if greedy:
-            return argmax(logits, into)
-        into[...] = sample(logits, rng.random(B), temperature, top_k, top_p).astype(cp.int32)
-        return into
 
     def record(host_tokens) -> bool:
         for b, t in enumerate(host_tokens):
@@ -166,120 +349,77 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
                 done[b] = True
         return all(done)
 
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        t0 = time.perf_counter()
-        if not kv_cache:
-            seqs = [list(p) for p in prompts]
-            tokens = cp.zeros(B, cp.int32)
-            for step in range(max_new_tokens):
-                cur = np.zeros((B, max(map(len, seqs))), np.int32)
-                for i, s in enumerate(seqs):
-                    cur[i, :len(s)] = s
-                last = np.array([len(s) - 1 for s in seqs])
-                host = choose(model.forward(cur, last=last), tokens).get()
-                if step == 0:
-                    gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
-                for s, t in zip(seqs, host):
-                    s.append(int(t))
-                if record(host) or step == max_new_tokens - 1:
-                    break
-                gen.steps += 1
-            gen.decode_s = time.perf_counter() - t0
-            return gen
-
-        length = max(lens) + max_new_tokens - 1
-        key = (B, length, greedy)
-        cached = model._decode_cache if model.keep_graphs else None
-        if cached is not None and cached[0] == key:
-            _, s, graphs, warmed = cached
-        else:
-            model._decode_cache = None                # drop the old state (and its graphs) before allocating
-            s, graphs, warmed = DecodeState(cfg, B, length), {}, set()
-            if model.keep_graphs:
-                model._decode_cache = (key, s, graphs, warmed)
-        logits = model.forward(padded, cache=s.cache, last=np.array(lens) - 1)
-        s.pos[...] = cp.asarray(np.array(lens, np.int32))
-        s.lens[...] = s.pos + 1
-        choose(logits, s.tokens)
-        host = s.tokens.get()
-        gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
-        plan = model.plan_for(B)
-        gen.info.update(plan=plan, attention_versions=set())
-
-        def capture_step(version):
-            return capture(stream, lambda: model.decode_step(s, greedy=greedy, attention_version=version, plan=plan))
-
-        def step(k):
-            """Enqueue decode step k (cache rows of the longest sequence: max(lens) + 1 + k)."""
-            version = model.attention_version_for(max(lens) + 1 + k)
-            gen.info["attention_versions"].add(version)
-            gkey = (plan, version)
-            if cuda_graph and gkey not in graphs and plan in warmed:
-                model.warm(s, version)            # its workspace exists before the capture
-                graphs[gkey] = capture_step(version)
-            if cuda_graph and gkey in graphs:
-                graphs[gkey].launch(stream)
-                return
-            model.decode_step(s, greedy=greedy, attention_version=version, plan=plan)   # compiles, warms
-            warmed.add(plan)
-            if cuda_graph:                       # captured (not run) now, replayed from the next step on
-                graphs[gkey] = capture_step(version)
-
-        n_steps = max_new_tokens - 1             # the prefill made the first token
-        if record(host) or n_steps == 0:
-            pass
-        elif greedy:
-            # The tokens stay on the device (argmax feeds the next step), so the host queues step k+1
-            # before it reads step k's tokens (an async copy into pinned memory): the GPU never waits
-            # for the host's read + launch between two steps. On EOS at most DEPTH-1 steps are wasted.
-            import cupyx
-            depth, launched, pending = max(1, PIPELINE_DEPTH), 0, []
-            ring = cupyx.empty_pinned((depth + 1, B), np.int32)
-            while True:
-                while launched < n_steps and len(pending) < depth:
-                    step(launched)
-                    slot = ring[launched % (depth + 1)]
-                    s.tokens.get(stream=stream, out=slot, blocking=False)
-                    pending.append((stream.record(), slot))
-                    launched += 1
-                if not pending:
-                    break
-                event, slot = pending.pop(0)
-                event.synchronize()
-                gen.steps += 1
-                if record(slot.copy()):
-                    break
-        else:
-            for k in range(n_steps):
-                step(k)
-                choose(s.logits, s.tokens)
-                advance(s.pos, s.lens)
-                host = s.tokens.get()
+    if not kv_cache:
+        return _generate_without_cache(model, prompts, max_new_tokens, choose, record, gen)
+    length = max(lens) + max_new_tokens - 1
+    if decoder is None:
+        mode = choose_mode(model, mode, B, length, greedy, cuda_graph, decoder_options)
+        decoder = make_decoder(model, mode, B, length, greedy, reuse, **decoder_options)
+    elif (decoder.batch, decoder.length, decoder.greedy) != (B, length, greedy):
+        raise ValueError(f"decoder: built for batch {decoder.batch}, {decoder.length} cache rows, greedy="
+                         f"{decoder.greedy}; this call needs {B}, {length}, greedy={greedy}")
+    gen.mode, gen.graph = decoder.mode, decoder.mode == "graph"
+    t0 = time.perf_counter()
+    first = decoder.prefill(padded, lens, choose)
+    gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    if not record(first) and max_new_tokens > 1:          # the prefill made the first token
+        with contextlib.closing(decoder.decode(max_new_tokens - 1, choose)) as steps:
+            for host in steps:
                 gen.steps += 1
                 if record(host):
                     break
-        stream.synchronize()                     # nothing of this call may still run when the state is reused
-        gen.decode_s = time.perf_counter() - t0
+    gen.decode_s = time.perf_counter() - t0
+    gen.info.update(decoder.info)
     return gen
 
 
-def generate_streamed(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, **kw) -> Generation:
+def _generate_without_cache(model, prompts, max_new_tokens, choose, record, gen) -> Generation:
+    """Every token from a full forward pass over the whole sequence so far (the baseline a KV cache beats)."""
+    import cupy as cp
+    seqs = [list(p) for p in prompts]
+    tokens = cp.zeros(len(seqs), cp.int32)
+    gen.mode = "no cache"
+    t0 = time.perf_counter()
+    for step in range(max_new_tokens):
+        cur = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+        for i, s in enumerate(seqs):
+            cur[i, :len(s)] = s
+        logits = model.forward(cur, last=np.array([len(s) - 1 for s in seqs]))
+        host = (ops.argmax(logits, tokens) if choose is None else choose(logits)).get()
+        if step == 0:
+            gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        for s, t in zip(seqs, host):
+            s.append(int(t))
+        if record(host) or step == max_new_tokens - 1:
+            break
+        gen.steps += 1
+    gen.decode_s = time.perf_counter() - t0
+    return gen
+
+
+def generate_streamed(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, tokenizer=None,
+                      **kw) -> Generation:
     """generate() for one text prompt, printing the prompt and then the text as it is made (whole
-    characters only; the end-of-text token is not printed). Returns the Generation (its timings)."""
-    from step4_gpt2.tokenizer import TextStream, encode
-    printer = TextStream()
+    characters only; the end-of-text token is not printed). tokenizer: GPT-2's BPE by default, or the one
+    of a checkpoint (tokenizer.for_checkpoint). Returns the Generation (its timings)."""
+    from step4_gpt2.tokenizer import BPETokenizer, TextStream
+    tok = tokenizer or BPETokenizer()
+    printer = TextStream(tokenizer=tok)
     if stream_print:
         print(prompt, end="", flush=True)
-    on_token = (lambda b, t: printer(t) if t != EOT else None) if stream_print else None
-    gen = generate(model, [encode(prompt)], max_new_tokens, on_token=on_token, **kw)
+    on_token = (lambda b, t: printer(t) if t != tok.eot else None) if stream_print else None
+    if tok.eot is None:
+        kw.setdefault("stop_at_eos", False)
+    gen = generate(model, [tok.encode(prompt)], max_new_tokens, on_token=on_token, **kw)
     if stream_print:
         print()
     return gen
 
 
-def generate_text(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, **kw) -> str:
+def generate_text(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, tokenizer=None,
+                  **kw) -> str:
     """Generate from one text prompt, printing the text as it is made; returns prompt + continuation."""
-    from step4_gpt2.tokenizer import decode
-    gen = generate_streamed(model, prompt, max_new_tokens, stream_print, **kw)
-    return prompt + decode([t for t in gen.tokens[0] if t != EOT])
+    from step4_gpt2.tokenizer import BPETokenizer
+    tok = tokenizer or BPETokenizer()
+    gen = generate_streamed(model, prompt, max_new_tokens, stream_print, tokenizer=tok, **kw)
+    return prompt + tok.decode([t for t in gen.tokens[0] if t != tok.eot])

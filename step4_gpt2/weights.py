@@ -9,7 +9,15 @@ The layout is the one of Hugging Face's `openai-community/gpt2` `model.safetenso
     h.{i}.mlp.c_fc.weight (C, 4C) + bias     h.{i}.mlp.c_proj.weight (4C, C) + bias
 
 Conv1D weights are (in, out): y = x @ W + b. `h.{i}.attn.bias` / `attn.masked_bias` (causal-mask buffers)
-are ignored; `lm_head.weight` is tied to `wte.weight`. Everything here is NumPy: no GPU needed.
+are ignored; `lm_head.weight` is tied to `wte.weight`. fp16 and bf16 files are upcast to fp32 on loading.
+Everything here is NumPy: no GPU needed.
+
+    cfg, params, is_random = load("gpt2")          # the Hugging Face cache first, else a download, else
+                                                   # (offline, nothing cached) random weights, said so
+    cfg, params, _ = load(path="my_model")         # a folder with model.safetensors (+ config.json), or
+                                                   # the .safetensors file itself (a checkpoint of 04b)
+Downloads go through huggingface_hub, so its settings apply: HF_HUB_OFFLINE=1 (cache only), HF_HOME /
+HF_HUB_CACHE (where the cache is), HTTPS_PROXY (proxies).
 """
 from __future__ import annotations
 
@@ -23,6 +31,8 @@ import numpy as np
 
 HF_REPO = "openai-community/gpt2"     # gpt2-medium / -large / -xl load the same way
 WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+CONFIG_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")     # config.json keys GPTConfig needs
 GIBBERISH = ("NOTICE: using RANDOM weights (no download). The model runs exactly like GPT-2 - same shapes, "
              "same FLOPs, same bytes - but the text it writes will be gibberish.")
 
@@ -38,6 +48,15 @@ class GPTConfig:
 
     SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
              "gpt2-xl": (48, 25, 1600)}
+
+    def __post_init__(self):
+        for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"config: {k} must be a positive integer, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"config: n_head={self.n_head} does not divide n_embd={self.n_embd} "
+                             f"(each head gets n_embd / n_head channels)")
 
     @classmethod
     def from_name(cls, name: str) -> "GPTConfig":
@@ -69,13 +88,38 @@ class GPTConfig:
                 "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True}
 
     @classmethod
-    def from_hf(cls, d: dict) -> "GPTConfig":
-        return cls(n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_embd"], vocab_size=d["vocab_size"],
-                   block_size=d.get("n_positions", d.get("n_ctx", 1024)), eps=d.get("layer_norm_epsilon", 1e-5))
+    def from_hf(cls, d: dict, source: str = "config.json") -> "GPTConfig":
+        """From a Hugging Face GPT2Config dict; `source` (the file it came from) is named in errors."""
+        if not isinstance(d, dict):
+            raise WeightFileError(f"{source}: expected a JSON object with {', '.join(CONFIG_KEYS)}, "
+                                  f"got {type(d).__name__}")
+        missing = [k for k in CONFIG_KEYS if k not in d]
+        if missing:
+            raise WeightFileError(f"{source}: missing key{'s' if len(missing) > 1 else ''} "
+                                  f"{', '.join(map(repr, missing))} (a GPT-2 config.json has {', '.join(CONFIG_KEYS)})")
+        try:
+            return cls(n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_embd"], vocab_size=d["vocab_size"],
+                       block_size=d.get("n_positions", d.get("n_ctx", 1024)), eps=d.get("layer_norm_epsilon", 1e-5))
+        except ValueError as e:
+            raise WeightFileError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path) -> "GPTConfig":
+        """Read a config.json; a malformed one is an error naming the file and the JSON problem."""
+        return cls.from_hf(read_json(path), str(path))
 
 
 class WeightFileError(ValueError):
     """A weight file that does not match the GPT-2 layout; the message names every offending tensor."""
+
+
+def read_json(path):
+    """A JSON file's content; malformed JSON is a WeightFileError naming the file, line and column."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightFileError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
 
 
 def expected_shapes(cfg: GPTConfig) -> dict:
@@ -121,7 +165,8 @@ def infer_config(tensors: dict, n_head: int | None = None, eps: float = 1e-5) ->
     T = tensors["wpe.weight"].shape[0]
     layers = {int(n.split(".")[1]) for n in tensors if n.startswith("h.") and n.split(".")[1].isdigit()}
     n_layer = max(layers) + 1 if layers else 0
-    return GPTConfig(n_layer=n_layer, n_head=n_head or max(1, C // 64), n_embd=C, vocab_size=V, block_size=T, eps=eps)
+    n_head = n_head or (C // 64 if C % 64 == 0 else 1)
+    return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=C, vocab_size=V, block_size=T, eps=eps)
 
 
 def validate(tensors: dict, cfg: GPTConfig) -> None:
@@ -143,51 +188,105 @@ def validate(tensors: dict, cfg: GPTConfig) -> None:
         raise WeightFileError(f"weights do not match GPT-2 {cfg}:\n  " + "\n  ".join(problems))
 
 
-def load_file(path, cfg: GPTConfig | None = None) -> tuple[GPTConfig, dict]:
-    """Read a safetensors file (HF layout) -> (config, {name: float32 NumPy array}), checked.
-
-    The config comes from `cfg`, else from a config.json beside the file, else from the shapes."""
-    from safetensors.numpy import load_file as st_load
-
+def weights_path(path) -> Path:
+    """The model.safetensors a `path` names: the file itself, or the one inside a folder."""
     path = Path(path)
+    if path.is_dir():
+        f = path / WEIGHTS_FILE
+        if not f.is_file():
+            there = sorted(p.name for p in path.iterdir())[:10]
+            raise FileNotFoundError(f"path: folder {str(path)!r} has no {WEIGHTS_FILE} (it holds: "
+                                    f"{', '.join(there) or 'nothing'})")
+        return f
     if not path.is_file():
         raise FileNotFoundError(f"path: weight file {str(path)!r} does not exist")
+    return path
+
+
+def _bf16_tensors(path: Path, names: list) -> dict:
+    """BF16 tensors of a safetensors file as float32 (NumPy has no bfloat16; its 16 bits are the top half
+    of a float32, so shifting them left by 16 is exact)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    out = {}
+    for name in names:
+        info = header[name]
+        a, b = info["data_offsets"]
+        bits = np.fromfile(path, dtype="<u2", count=(b - a) // 2, offset=8 + n + a)
+        out[name] = (bits.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+    return out
+
+
+def read_tensors(path) -> dict:
+    """{name: NumPy array} of a safetensors file, bf16 tensors upcast to float32."""
+    from safetensors import safe_open
+    path = Path(path)
     try:
-        raw = st_load(str(path))
+        with safe_open(str(path), framework="numpy") as f:
+            names = list(f.keys())
+            bf16 = [n for n in names if f.get_slice(n).get_dtype() == "BF16"]
+            out = {n: f.get_tensor(n) for n in names if n not in bf16}
+        out.update(_bf16_tensors(path, bf16))
     except Exception as e:
         raise WeightFileError(f"path: {path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
-    tensors = normalize(raw)
+    return out
+
+
+def load_file(path, cfg: GPTConfig | None = None) -> tuple[GPTConfig, dict]:
+    """Read a safetensors file (HF layout; or a folder holding model.safetensors) -> (config, {name: float32
+    NumPy array}), checked. fp16/bf16 tensors are upcast to float32.
+
+    The config comes from `cfg`, else from a config.json beside the file, else from the shapes."""
+    path = weights_path(path)
+    tensors = normalize(read_tensors(path))
     if cfg is None:
-        cj = path.parent / "config.json"
-        cfg = GPTConfig.from_hf(json.loads(cj.read_text())) if cj.is_file() else infer_config(tensors)
+        cj = path.parent / CONFIG_FILE
+        cfg = GPTConfig.from_file(cj) if cj.is_file() else infer_config(tensors)
     validate(tensors, cfg)
     return cfg, {n: np.ascontiguousarray(t, dtype=np.float32) for n, t in tensors.items()}
 
 
-def download(repo: str = HF_REPO, filename: str = WEIGHTS_FILE) -> Path:
+def repo_for(name: str) -> str:
+    """The Hugging Face repository of a GPT-2 size (a ValueError naming the sizes for any other name)."""
+    GPTConfig.from_name(name)
+    return HF_REPO if name == "gpt2" else f"openai-community/{name}"
+
+
+def cached(repo: str = HF_REPO, filename: str = WEIGHTS_FILE, cache_dir=None) -> Path | None:
+    """The file from the local Hugging Face cache, or None; never touches the network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo, filename, cache_dir=cache_dir)
+    return Path(found) if isinstance(found, str) else None
+
+
+def download(repo: str = HF_REPO, filename: str = WEIGHTS_FILE, cache_dir=None) -> Path:
     """Download once (progress bar) into the Hugging Face cache and return the local path."""
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
         raise ImportError("downloading GPT-2 needs huggingface_hub: pip install huggingface_hub") from None
-    path = Path(hf_hub_download(repo_id=repo, filename=filename))
+    path = Path(hf_hub_download(repo_id=repo, filename=filename, cache_dir=cache_dir, etag_timeout=5))
     try:
-        hf_hub_download(repo_id=repo, filename="config.json")
+        hf_hub_download(repo_id=repo, filename=CONFIG_FILE, cache_dir=cache_dir, etag_timeout=5)
     except Exception:
         pass                     # config.json only confirms n_head; the shapes give the rest
     return path
 
 
-def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
-    """Quick check before a download: HF_HUB_OFFLINE set, or no route to the host within `timeout` s."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+def online() -> bool:
+    """False when HF_HUB_OFFLINE is set (now, or when huggingface_hub was imported): then only the cache is
+    used. True otherwise; a download that cannot reach the hub fails by itself and load() falls back."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() not in ("0", "", "false", "no", "off"):
         return False
-    import socket
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        from huggingface_hub import constants
+    except ImportError:
         return True
-    except OSError:
-        return False
+    return not constants.HF_HUB_OFFLINE
 
 
 def random_weights(cfg: GPTConfig, seed: int = 0, notice: bool | str = True) -> dict:
@@ -223,30 +322,34 @@ def save(params: dict, cfg: GPTConfig, directory) -> Path:
 
 
 def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0,
-         notice: bool | str = True) -> tuple[GPTConfig, dict, bool]:
-    """(config, params, is_random): a local file if given, else the HF download, else (offline) random
-    weights with the gibberish notice, printed once, here (to stdout, or stderr with notice="stderr", as the
-    messages about the failed download; notice=False prints nothing). `name` picks the GPT-2 size."""
+         notice: bool | str = True, cache_dir=None) -> tuple[GPTConfig, dict, bool]:
+    """(config, params, is_random): `path` (a folder with model.safetensors [+ config.json], or the file) if
+    given; else GPT-2 size `name` from the Hugging Face cache, else downloaded (unless HF_HUB_OFFLINE), else
+    random weights with the gibberish notice, printed once, here (to stdout, or stderr with
+    notice="stderr", as the messages about the failed download; notice=False prints nothing)."""
     out = sys.stderr if notice == "stderr" else sys.stdout
     if path is not None:
         cfg, params = load_file(path)
         return cfg, params, False
-    repo = HF_REPO if name == "gpt2" else f"openai-community/{name}"
+    repo = repo_for(name)                  # an unknown name fails here, before any message
+    cfg = GPTConfig.from_name(name)
+    file = cached(repo, cache_dir=cache_dir)
+    if file is not None:
+        return (*load_file(file, cfg), False)
     if online():
         try:
-            cfg, params = load_file(download(repo), GPTConfig.from_name(name))
-            return cfg, params, False
-        except (OSError, ImportError, WeightFileError) as e:
+            return (*load_file(download(repo, cache_dir=cache_dir), cfg), False)
+        except Exception as e:           # no route, proxy refused, hub error, a bad file: say which, fall back
             if not allow_random:
                 raise
             if notice:
                 print(f"download of {repo} failed ({type(e).__name__}: {e})", file=out)
     elif not allow_random:
-        raise RuntimeError(f"no network (or HF_HUB_OFFLINE is set): cannot download {repo}; pass path= to a "
-                           f"local {WEIGHTS_FILE}")
+        raise RuntimeError(f"HF_HUB_OFFLINE is set and {repo} is not in the Hugging Face cache: cannot load "
+                           f"it; pass path= to a local {WEIGHTS_FILE} (or a folder holding one)")
     elif notice:
-        print(f"offline (no route to huggingface.co or HF_HUB_OFFLINE set): not downloading {repo}", file=out)
-    cfg = GPTConfig.from_name(name)
+        print(f"offline (HF_HUB_OFFLINE is set) and {repo} is not in the Hugging Face cache: not downloading",
+              file=out)
     return cfg, random_weights(cfg, seed, notice=notice), True
 
 
@@ -257,4 +360,5 @@ def summary(cfg: GPTConfig) -> str:
 
 
 __all__ = ["GPTConfig", "WeightFileError", "expected_shapes", "normalize", "infer_config", "validate",
-           "load_file", "download", "online", "random_weights", "save", "load", "summary"]
+           "weights_path", "read_tensors", "load_file", "repo_for", "cached", "download", "online", "random_weights",
+           "save", "load", "summary"]

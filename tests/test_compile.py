@@ -2,7 +2,8 @@
 warnings and no register spills. This is what CI checks on a machine without a driver.
 
 A `.cu` whose constants come from Python (`#ifndef BLOCK / #error ...`) is compiled with the defines its
-module declares in a dict `CU_DEFINES = {path of the .cu: defines}` (CONTRIBUTING.md)."""
+module declares in a dict `CU_DEFINES = {path of the .cu: defines}`, and its templated kernels are instantiated
+with the names a module declares in `CU_TEMPLATES = {path of the .cu: names}` (CONTRIBUTING.md)."""
 import importlib
 import os
 from pathlib import Path
@@ -14,21 +15,22 @@ from common.kernels import ARCHS, ROOT, KernelCompileError, compile_offline, sup
 SOURCES = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("step*/*.cu"))
 
 
-def _declared_defines() -> dict:
-    """.cu path (relative to the repository) -> defines, from every step module that has a CU_DEFINES dict."""
+def _declared(attr: str) -> dict:
+    """.cu path (relative to the repository) -> value, from every step module that has a dict `attr`."""
     found = {}
     for py in sorted(ROOT.glob("step*/*.py")):
-        if "CU_DEFINES" not in py.read_text():
+        if attr not in py.read_text():
             continue
         module = importlib.import_module(f"{py.parent.name}.{py.stem}")
-        for path, defines in getattr(module, "CU_DEFINES", {}).items():
+        for path, value in getattr(module, attr, {}).items():
             p = Path(path)
             p = p if p.is_absolute() else (py.parent / p if (py.parent / p).is_file() else ROOT / p)
-            found[p.resolve().relative_to(ROOT).as_posix()] = dict(defines)
+            found[p.resolve().relative_to(ROOT).as_posix()] = value
     return found
 
 
-DEFINES = _declared_defines()
+DEFINES = {k: dict(v) for k, v in _declared("CU_DEFINES").items()}
+TEMPLATES = {k: tuple(v) for k, v in _declared("CU_TEMPLATES").items()}
 
 
 def test_sources_found():
@@ -42,7 +44,7 @@ def test_compiles(source, arch):
         if os.environ.get("CI"):
             pytest.fail(f"CI must check sm_{arch}, but this NVRTC supports only {supported_archs()}")
         pytest.skip(f"the NVRTC CuPy loaded cannot target sm_{arch} (CUDA 13 dropped it); CI checks it with CuPy's CUDA 12 NVRTC")
-    report = compile_offline(source, arch, defines=DEFINES.get(source))
+    report = compile_offline(source, arch, defines=DEFINES.get(source), name_expressions=TEMPLATES.get(source, ()))
     assert not report.warnings, f"{source} sm_{arch} warnings:\n" + "\n".join(report.warnings)
     assert report.kernels, f"{source}: no kernels in the ptxas report:\n{report.log}"
     spills = {k.name: (k.spill_stores, k.spill_loads) for k in report.kernels.values()
@@ -92,3 +94,10 @@ def test_missing_define_names_the_line(tmp_path):
     with pytest.raises(KernelCompileError, match=rf'(?s){src}:2: error: #error directive.*\| #error "BLOCK'):
         compile_offline(src, 80)
     assert compile_offline(src, 80, defines={"BLOCK": 64}).kernels
+
+
+def test_templates_are_instantiated_under_their_names():
+    assert TEMPLATES, "no module declares CU_TEMPLATES"
+    source, names = next(iter(TEMPLATES.items()))
+    report = compile_offline(source, 80, defines=DEFINES.get(source), name_expressions=names)
+    assert set(names) <= set(report.kernels), sorted(report.kernels)

@@ -106,6 +106,7 @@ def test_124m_parameter_count_and_offline_notice(capsys):
 def test_offline_loader_falls_back_to_random_weights(monkeypatch, capsys):
     tiny = W.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=50, block_size=8)
     monkeypatch.setattr(W.GPTConfig, "from_name", classmethod(lambda cls, name: tiny))   # keep it fast
+    monkeypatch.setattr(W, "cached", lambda *a, **k: None)          # as if nothing were in the HF cache
     monkeypatch.setattr(W, "download", lambda *a, **k: pytest.fail("load() must not download offline"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert not W.online()
@@ -213,6 +214,231 @@ def test_sampling_on_cpu():
             check_sampling(**args)
 
 
+# ============================================================================ CPU: loader errors, formats, cache
+def _write_bf16_safetensors(path, tensors: dict):
+    """A safetensors file with every tensor stored as bf16 (NumPy cannot write bf16: the header and the
+    top 16 bits of each float32, written by hand in the format's layout)."""
+    import json
+    import struct
+    header, blobs, off = {}, [], 0
+    for name, t in tensors.items():
+        bits = (np.ascontiguousarray(t, np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [off, off + len(bits)]}
+        blobs.append(bits)
+        off += len(bits)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+TINY = W.GPTConfig(n_layer=1, n_head=2, n_embd=64, vocab_size=300, block_size=32)
+
+
+def test_half_precision_files_load_upcast_to_fp32(tmp_path):
+    from safetensors.numpy import save_file
+    p = W.random_weights(TINY, seed=4, notice=False)
+    (tmp_path / "fp16").mkdir()
+    save_file({n: t.astype(np.float16) for n, t in p.items()}, str(tmp_path / "fp16" / "model.safetensors"))
+    cfg, p16 = W.load_file(tmp_path / "fp16" / "model.safetensors", TINY)
+    assert all(p16[n].dtype == np.float32 and np.array_equal(p16[n], p[n].astype(np.float16).astype(np.float32))
+               for n in p)
+    (tmp_path / "bf16").mkdir()
+    _write_bf16_safetensors(tmp_path / "bf16" / "model.safetensors", p)
+    (tmp_path / "bf16" / "config.json").write_text(__import__("json").dumps(TINY.to_hf()))
+    cfg, pb = W.load_file(tmp_path / "bf16")                      # a folder: model.safetensors + config.json
+    assert cfg == TINY
+    for n, t in p.items():
+        want = ((t.view(np.uint32) >> 16) << 16).view(np.float32)   # bf16 = the top 16 bits, exactly
+        assert pb[n].dtype == np.float32 and np.array_equal(pb[n], want), n
+        assert np.abs(pb[n] - t).max() <= np.abs(t).max() * 2 ** -7
+
+
+def test_loader_errors_name_the_problem(tmp_path, capsys):
+    W.save(W.random_weights(TINY, seed=5, notice=False), TINY, tmp_path)
+    cj = tmp_path / "config.json"
+    cj.write_text('{"n_layer": 1, "n_head": 2,, }')
+    with pytest.raises(W.WeightFileError, match=r"config.json: not valid JSON \(.* at line 1, column"):
+        W.load_file(tmp_path)
+    cj.write_text('{"n_layer": 1, "n_embd": 64, "vocab_size": 300}')
+    with pytest.raises(W.WeightFileError, match=r"config.json: missing key 'n_head'"):
+        W.load_file(tmp_path / "model.safetensors")
+    cj.write_text('{"n_layer": 1, "n_head": 5, "n_embd": 64, "vocab_size": 300, "n_positions": 32}')
+    with pytest.raises(W.WeightFileError, match="config.json: config: n_head=5 does not divide n_embd=64"):
+        W.load_file(tmp_path)
+    with pytest.raises(ValueError, match="n_head=3 does not divide n_embd=64"):
+        W.GPTConfig(n_layer=1, n_head=3, n_embd=64)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"path: folder .*empty' has no model.safetensors .*notes.txt"):
+        W.load(path=empty)
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="name: expected one of"):
+        W.load("gpt3")
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""          # nothing about downloading before the name error
+
+
+def test_load_uses_the_hugging_face_cache_offline(tmp_path, monkeypatch, capsys):
+    """A file downloaded before is found in the HF cache (layout: models--org--name/snapshots/<rev>/)
+    with HF_HUB_OFFLINE set, without any network call."""
+    tiny = W.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=50, block_size=8)
+    monkeypatch.setattr(W.GPTConfig, "from_name", classmethod(lambda cls, name: tiny))
+    monkeypatch.setattr(W, "download", lambda *a, **k: pytest.fail("a cached file must not be downloaded"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "models--openai-community--gpt2"
+    snap = repo / "snapshots" / ("0" * 40)
+    params = W.random_weights(tiny, seed=6, notice=False)
+    W.save(params, tiny, snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    assert W.cached(W.HF_REPO, cache_dir=tmp_path) == snap / "model.safetensors"
+    cfg, got, is_random = W.load("gpt2", cache_dir=tmp_path, allow_random=False)
+    assert not is_random and cfg == tiny and all(np.array_equal(got[n], params[n]) for n in params)
+    assert W.GIBBERISH not in capsys.readouterr().out
+    assert W.cached(W.HF_REPO, cache_dir=tmp_path / "elsewhere") is None
+
+
+def test_checkpoint_tokenizer_is_chosen_by_its_folder(tmp_path):
+    from step4_gpt2 import tokenizer as T
+    assert isinstance(T.for_checkpoint(tmp_path), T.BPETokenizer)
+    text = "ROMEO:\nBut soft, what light?"
+    chars = T.CharTokenizer.from_text(text)
+    chars.save(tmp_path)
+    assert __import__("json").loads((tmp_path / "char_vocab.json").read_text()) == {"kind": "char",
+                                                                                     "chars": sorted(set(text))}
+    tok = T.for_checkpoint(tmp_path / "model.safetensors")       # a file in the folder works too
+    assert isinstance(tok, T.CharTokenizer) and tok.eot is None and tok.n_vocab == len(set(text))
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and max(ids) < tok.n_vocab
+    with pytest.raises(ValueError, match=r"character 'Z' \(position 2\) is not in"):
+        tok.encode("ROZ")
+    with pytest.raises(ValueError, match=rf"ids\[1\]: token id 99 is out of range \[0, {len(set(text))}\)"):
+        tok.decode([0, 99])
+    (tmp_path / "char_vocab.json").write_text('{"kind": "bpe"}')
+    with pytest.raises(ValueError, match="char_vocab.json: expected"):
+        T.for_checkpoint(tmp_path)
+
+
+def test_decode_rejects_bad_ids_by_name():
+    _offline_encoding()
+    from step4_gpt2 import tokenizer as T
+    assert T.decode(np.array([15496, 11])) == "Hello,"
+    with pytest.raises(ValueError, match=r"ids\[1\]: token id 50257 is out of range \[0, 50257\)"):
+        T.decode([15496, 50257])
+    with pytest.raises(ValueError, match=r"ids\[0\]: token id -1 is out of range"):
+        T.decode([-1])
+    with pytest.raises(TypeError, match=r"ids\[0\]: token ids are integers, got 3.7 \(float\)"):
+        T.decode([3.7])
+    with pytest.raises(TypeError, match=r"ids\[1\]: token ids are integers, got '5'"):
+        T.decode([1, "5"])
+    with pytest.raises(TypeError, match="ids: expected a sequence of integer token ids, got int"):
+        T.decode(5)
+    with pytest.raises(TypeError, match="token ids are integers"):
+        T.decode(np.array([1.0, 2.0]))
+
+
+# ============================================================================ CPU: structure, modes, CLI
+def test_every_kernel_the_wrappers_name_is_in_gpt2_cu():
+    import re
+    from step4_gpt2 import ops
+    src = ops.CU.read_text()
+    defined = set(re.findall(r'extern "C" __global__ void (\w+)\(', src))
+    assert {n for n in ops.KERNEL_NAMES if "<" not in n} == defined
+    templates = set(re.findall(r"template <[^>]*>\s*__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(", src))
+    assert {n.split("<")[0] for n in ops.KERNEL_NAMES if "<" in n} == templates == {"gemv_v3", "gemv_v4", "gemv_v5"}
+    for name in re.findall(r'kernel\("(\w+)"', (ops.CU.parent / "ops.py").read_text()):
+        assert name in ops.KERNEL_NAMES, name
+
+
+def test_gpt2_cu_compiles_every_name_the_wrappers_launch():
+    """NVRTC, as CuPy runs it on the GPU: each template instantiation ops.py names is compiled through its
+    name expression, with the wrappers' defines (both modules: ROWS 2 and 4), without spills."""
+    import re
+    pytest.importorskip("cupy")
+    from common import kernels as K
+    from step4_gpt2 import ops
+    nvrtc = K._nvrtc()
+    arch = 80 if 80 in K.supported_archs() else K.supported_archs()[-1]
+    templated = [n for n in ops.KERNEL_NAMES if "<" in n]
+    for rows in (ops.ROWS, ops.V5_ROWS):
+        opts = (f"--gpu-architecture=sm_{arch}", *K.BASE_OPTIONS, "--ptxas-options=-v", "--no-cache",
+                *(f"-I{d}" for d in K._include_dirs(ops.CU)), f"-I{K._runtime_include()}",
+                *K._define_options(ops.defines(rows)))
+        prog = nvrtc.createProgram(K._source(ops.CU), "step4_gpt2/gpt2.cu", (), ())
+        try:
+            for n in templated:
+                nvrtc.addNameExpression(prog, n)
+            try:
+                nvrtc.compileProgram(prog, opts)
+            except nvrtc.NVRTCError:
+                pytest.fail(f"gpt2.cu (ROWS={rows}) did not compile:\n{nvrtc.getProgramLog(prog)}")
+            lowered = {n: nvrtc.getLoweredName(prog, n) for n in templated}
+            log = nvrtc.getProgramLog(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        entries = set(re.findall(r"Compiling entry function '(\S+)'", log))
+        assert {n for n in ops.KERNEL_NAMES if "<" not in n} | set(lowered.values()) <= entries
+        spills = re.findall(r"Function properties for (\S+)\s*\n.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
+                            log, re.S)
+        assert spills and not [f for f, st, ld in spills if int(st) or int(ld)], log
+
+
+def test_model_calls_kernels_through_the_ops_module():
+    """So that patching step4_gpt2.ops.<name> swaps an op for the whole model (the exercises rely on it)."""
+    import re
+    from pathlib import Path
+    src = (Path(W.__file__).parent / "model.py").read_text()
+    assert "from step4_gpt2 import ops" in src
+    assert not re.search(r"from step4_gpt2\.ops import|from step2_attention|from step3_fused", src)
+    for op in ("embedding", "bias_gelu", "gemv", "gemv_qkv", "argmax", "layernorm", "residual_layernorm",
+               "decode_attention", "flash_attention_qkv", "kv_cache_fill"):
+        assert f"ops.{op}(" in src, op
+
+
+def test_decode_modes_and_the_megakernel_slot(monkeypatch):
+    import sys
+    import types
+    from step4_gpt2 import generate as G
+    assert G.choose_mode(None, "auto", 1, 10, True, cuda_graph=False) == "eager"
+    assert G.choose_mode(None, "eager", 1, 10, True) == "eager"
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        G.choose_mode(None, "fast", 1, 10, True)
+    with pytest.raises(ValueError, match="cuda_graph: False asks for eager"):
+        G.choose_mode(None, "graph", 1, 10, True, cuda_graph=False)
+    assert G.decoder_class("graph") is G.Decoder and G.decoder_class("eager") is G.Decoder
+    empty = types.ModuleType("step4_gpt2.megakernel")              # a module without MegakernelDecoder
+    monkeypatch.setitem(sys.modules, "step4_gpt2.megakernel", empty)
+    with pytest.raises(NotImplementedError, match="mode='megakernel' needs step4_gpt2.megakernel.MegakernelDecoder"):
+        G.decoder_class("megakernel")
+    assert G.choose_mode(None, "auto", 1, 10, True) == "graph"
+
+    class MegakernelDecoder:
+        @staticmethod
+        def preferred(model, batch, length, greedy):
+            return batch == 1 and greedy
+    empty.MegakernelDecoder = MegakernelDecoder
+    assert G.decoder_class("megakernel") is MegakernelDecoder
+    assert G.choose_mode(None, "auto", 1, 10, True) == "megakernel"
+    assert G.choose_mode(None, "auto", 1, 10, True, options={"plan": "fused"}) == "graph"   # a Decoder option
+    assert G.choose_mode(None, "auto", 8, 10, True) == "graph"
+    assert G.choose_mode(None, "auto", 1, 10, False) == "graph"
+
+
+def test_cli_help_and_no_gpu_message(capsys):
+    from step4_gpt2.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--weights" in text and "--decode" in text and "megakernel" in text
+    assert not any(w in text.lower() for w in ("issue", "seed of this course", "target"))
+    from common.device import skip_reason
+    if skip_reason():                 # without a GPU: the reason, no traceback, exit code 2
+        assert main(["Hello"]) == 2
+        assert "GPU" in capsys.readouterr().err
+
+
 # ============================================================================ GPU
 @pytest.fixture(scope="module")
 def cp():
@@ -233,7 +459,7 @@ def _model(directory):
 @pytest.mark.parametrize("B", [1, 3, 8, 11])
 @pytest.mark.parametrize("N,K", [(37, 64), (768, 128), (2049, 260)])
 def test_gemv_versions(cp, B, N, K):
-    from step4_gpt2.model import gemv
+    from step4_gpt2.ops import gemv
     x, Wt, b = (cp.asarray(rand(*s, seed=i)) for i, s in enumerate([(B, K), (N, K), (N,)]))
     want = x.get().astype(np.float64) @ Wt.get().astype(np.float64).T
     for v in (1, 2, 3, 4):
@@ -256,7 +482,7 @@ def test_gemv_v5_fusions(cp, B, N, K):
     blocks (9001 rows: blocks loop and prefetch), more float4 columns than one chunk (4100); batches past
     MAXB; the LayerNorm prologue, the residual epilogue, and ROWS 1/2/4."""
     from common.reference import gelu, layernorm
-    from step4_gpt2.model import gemv
+    from step4_gpt2.ops import gemv
     x, Wt, b, g, o = (cp.asarray(rand(*s, seed=10 + i)) for i, s in enumerate([(B, K), (N, K), (N,), (K,), (K,)]))
     x = x * 3 + 0.5                                  # LayerNorm must really remove a mean and a scale
     x64, W64 = x.get().astype(np.float64), Wt.get().astype(np.float64)
@@ -276,6 +502,8 @@ def test_gemv_v5_fusions(cp, B, N, K):
         gemv(x, Wt, b, residual=True)
     with pytest.raises(ValueError, match="need version 5"):
         gemv(x, Wt, b, out=y, ln=(g, o), version=4)
+    with pytest.raises(ValueError, match="gelu=True needs a bias"):
+        gemv(x, Wt, out=y, gelu=True, version=4)
     with pytest.raises(ValueError, match=r"ln\[0\]"):
         gemv(x, Wt, out=y, ln=(b, o))
     with pytest.raises(ValueError, match="must not be x"):
@@ -288,7 +516,7 @@ def test_gemv_ln_prologue_splits_the_batch_to_fit_shared_memory(cp, monkeypatch)
     """The LayerNorm prologue keeps nb rows x K floats in shared memory: on a GPU whose per-block limit
     is 64 KB (T4) a batch of 11 rows of K=4100 (180 KB) must run as several launches, not raise."""
     from common.reference import gelu, layernorm
-    from step4_gpt2 import model as M
+    from step4_gpt2 import ops as M
     real = M.device_info()
     monkeypatch.setattr(M, "device_info", lambda: {**real, "shared_per_block_optin": 64 << 10})
     calls = []
@@ -310,7 +538,7 @@ def test_gemv_ln_prologue_splits_the_batch_to_fit_shared_memory(cp, monkeypatch)
 
 @gpu
 def test_kernel_wrappers_name_bad_arguments(cp):
-    from step4_gpt2.model import advance, argmax, embedding, gemv_qkv, kv_cache_fill
+    from step4_gpt2.ops import advance, argmax, embedding, gemv_qkv, kv_cache_fill
     B, T, H, D = 2, 5, 2, 32
     C = H * D
     qkv, bias = cp.asarray(rand(B, T, 3 * C, seed=1)), cp.asarray(rand(3 * C, seed=2))
@@ -350,7 +578,7 @@ def test_kernel_wrappers_name_bad_arguments(cp):
 @pytest.mark.sanitize
 def test_small_kernels(cp):
     from common.reference import gelu
-    from step4_gpt2.model import argmax, bias_gelu, embedding, gemv_qkv, kv_cache_fill
+    from step4_gpt2.ops import argmax, bias_gelu, embedding, gemv_qkv, kv_cache_fill
     V, T, C = 97, 16, 40
     wte, wpe = cp.asarray(rand(V, C, seed=1)), cp.asarray(rand(T, C, seed=2))
     tok = cp.asarray(np.array([5, 96, 0, 17, 5], np.int32))
@@ -469,7 +697,8 @@ def test_greedy_200_tokens_identical_to_transformers(cp, small_dir, kv_cache, cu
     model, hf = _model(small_dir), hf_model(small_dir, device="cuda")
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 50257, n).tolist() for n in (12, 5, 30)]
-    gen = generate(model, prompts, max_new_tokens=200, stop_at_eos=False, kv_cache=kv_cache, cuda_graph=cuda_graph)
+    gen = generate(model, prompts, max_new_tokens=200, stop_at_eos=False, kv_cache=kv_cache, cuda_graph=cuda_graph,
+                   mode="graph" if cuda_graph else "eager")
     assert gen.graph == (kv_cache and cuda_graph)
     for b, p in enumerate(prompts):
         assert len(gen.tokens[b]) == 200
@@ -483,16 +712,18 @@ def test_greedy_plans_graph_reuse_and_eos(cp, small_dir, plan):
     attention version), the pipelined greedy loop stopping at EOS, and the eager path: identical tokens."""
     from step4_gpt2.generate import generate
     model, hf = _model(small_dir), hf_model(small_dir, device="cuda")
-    model.decode_plan = plan
     prompts = [[5, 6, 7, 8], [900, 901]]
     want = [_hf_greedy(hf, p, 150) for p in prompts]
-    first = generate(model, prompts, max_new_tokens=150, stop_at_eos=False)
+    first = generate(model, prompts, max_new_tokens=150, stop_at_eos=False, plan=plan)
     assert first.info["plan"] == plan and first.info["attention_versions"] == {1, 2}
     assert first.tokens == want
-    assert generate(model, prompts, max_new_tokens=150, stop_at_eos=False).tokens == want   # reused graphs
-    assert generate(model, prompts, max_new_tokens=150, stop_at_eos=False, cuda_graph=False).tokens == want
+    kept = model._kept_decoder[1]
+    again = generate(model, prompts, max_new_tokens=150, stop_at_eos=False, plan=plan)   # reused graphs
+    assert again.tokens == want and model._kept_decoder[1] is kept and again.mode == "graph"
+    assert generate(model, prompts, max_new_tokens=150, stop_at_eos=False, cuda_graph=False, plan=plan).tokens == want
+    assert generate(model, prompts, max_new_tokens=150, stop_at_eos=False, mode="eager", plan=plan).tokens == want
     stop = want[0][20]
-    gen = generate(model, prompts, max_new_tokens=150, eos=stop)
+    gen = generate(model, prompts, max_new_tokens=150, eos=stop, plan=plan)
     assert gen.tokens[0] == want[0][:want[0].index(stop) + 1]
     if stop in want[1]:
         assert gen.tokens[1] == want[1][:want[1].index(stop) + 1]
@@ -537,7 +768,8 @@ def test_sampling_streaming_and_stopping(cp, small_dir):
 @gpu
 def test_bad_inputs_are_named(cp, small_dir):
     from step4_gpt2.generate import generate
-    from step4_gpt2.model import GPT, gemv
+    from step4_gpt2.model import GPT
+    from step4_gpt2.ops import gemv
     model = _model(small_dir)
     with pytest.raises(ValueError, match="token id 50257 is out of range"):
         model.forward([[1, 50257]])
@@ -573,3 +805,30 @@ def test_bad_inputs_are_named(cp, small_dir):
     del p["ln_f.bias"]
     with pytest.raises(W.WeightFileError, match="missing tensors: ln_f.bias"):
         GPT(cfg, p)
+
+
+@gpu
+def test_swapping_an_op_through_the_ops_module(cp, small_dir):
+    """What an exercise checker does: patch step4_gpt2.ops.<name> for a with-block; the model uses the
+    replacement there (prefill bias_gelu, decode GEMV) and the original again after it."""
+    from unittest import mock
+    from step4_gpt2 import ops
+    from step4_gpt2.generate import generate
+    model = _model(small_dir)
+    idx = np.random.default_rng(3).integers(0, SMALL.vocab_size, (2, 9))
+    want = model.forward(idx).get()
+    calls = []
+
+    def counted(real):
+        return lambda *a, **k: (calls.append(real.__name__), real(*a, **k))[1]
+    with mock.patch("step4_gpt2.ops.bias_gelu", counted(ops.bias_gelu)):
+        assert max_rel(model.forward(idx).get(), want) <= 1e-6
+    assert calls.count("bias_gelu") == SMALL.n_layer
+    greedy = generate(model, [[1, 2, 3]], max_new_tokens=8, stop_at_eos=False, mode="eager").tokens
+    calls.clear()
+    with mock.patch("step4_gpt2.ops.gemv", counted(ops.gemv)):
+        assert generate(model, [[1, 2, 3]], max_new_tokens=8, stop_at_eos=False, mode="eager").tokens == greedy
+    assert calls.count("gemv") >= 7 * (3 * SMALL.n_layer + 1)
+    calls.clear()
+    model.forward(idx)
+    assert calls == []

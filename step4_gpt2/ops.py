@@ -1,0 +1,318 @@
+"""Python side of step 4: the wrappers of gpt2.cu's kernels, and the one namespace every kernel GPT-2 runs
+goes through (steps 2 and 3's attention and LayerNorm kernels are imported here too).
+
+    embedding(tokens, positions, wte, wpe, out)      x = wte[token] + wpe[position]
+    bias_gelu(h, b)                                  the prefill MLP epilogue after cuBLAS, in place
+    kv_cache_fill(qkv, bias, k_cache, v_cache)       a prompt's k and v into the KV cache
+    gemv(x, W, bias, out, gelu, version, ln, residual)   the decode-step matrix product (v1 .. v5)
+    gemv_qkv(x, W, bias, q, k_cache, v_cache, pos)   the QKV GEMV whose epilogue appends k, v to the cache
+    argmax(logits, tokens, pos, lens), advance(pos, lens)   greedy choice and position update on the device
+    layernorm, residual_layernorm                    step 3
+    flash_attention_qkv, decode_attention            step 2
+
+Swapping one op. `model.py` calls every kernel through this module object (`ops.bias_gelu(...)`, never a
+name imported from it), at call time, so replacing an attribute here swaps the op everywhere the model
+uses it, for as long as the replacement is in place:
+
+    from unittest import mock
+    with mock.patch("step4_gpt2.ops.bias_gelu", my_bias_gelu):
+        logits = model.forward(idx)          # the prefill now runs my_bias_gelu(h, b) in every block
+
+The two ops meant for this are `bias_gelu(h, b)` (prefill; must update h (N, C) in place and return it)
+and `gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps=1e-5, residual=False)` (every
+matrix product of a decode step; a replacement may handle the plain cases and hand the fused ones, ln= and
+residual=, to the original). A CUDA graph replays the kernels it captured: decode with
+`generate(..., mode="eager")` (or a fresh Decoder) while an op is swapped.
+
+Every wrapper checks its arguments and returns CuPy arrays; with its output buffers given, a wrapper
+allocates nothing and never synchronises with the host, so a decode step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, get_kernel, launch_grid,
+                    occupancy, out_array)
+from step2_attention.flash import decode_attention, decode_split_count, flash_attention_qkv  # noqa: F401
+from step3_fused.ops import layernorm, residual_layernorm  # noqa: F401
+
+CU = Path(__file__).resolve().parent / "gpt2.cu"
+# Compile-time constants of gpt2.cu, passed as defines (the .cu's own values only serve offline compiles).
+MAXB = 8                # batch rows per GEMV launch: each weight load is used for up to MAXB rows
+ROWS = 2                # output rows per warp (gemv_v3) / per block (gemv_v4)
+V4_WARPS = 4            # gemv_v4: warps sharing ROWS rows, splitting K
+V5_ROWS = 4             # gemv_v5: rows per block (a tile)
+V5_UNROLL = 4           # gemv_v5: float4 loads per row a lane has in flight
+V5_MAXWARPS = 8         # gemv_v5: at most 8 warps (256 threads) per block, its __launch_bounds__
+GEMV_THREADS = 128      # gemv_v3: 4 warps, each its own ROWS rows
+V5_BLOCKS_PER_SM = 16   # gemv_v5: grid cap; bigger matrices (the LM head) loop over row tiles
+V5_LN_BLOCKS_PER_SM = 4  # ... with a LayerNorm prologue over > 2 rows: fewer blocks, each normalising once
+GEMV_VERSIONS = (1, 2, 3, 4, 5)
+NULL = np.uint64(0)     # an unused pointer argument
+
+
+def defines(rows: int = ROWS, unroll: int = V5_UNROLL) -> dict:
+    """gpt2.cu's defines; rows/unroll pick the module (v3/v4 use ROWS, v5 V5_ROWS)."""
+    return {"MAXB": MAXB, "ROWS": rows, "V4_WARPS": V4_WARPS, "V5_UNROLL": unroll, "V5_MAXWARPS": V5_MAXWARPS}
+
+
+def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL):
+    """Kernel `name` of gpt2.cu compiled with these constants (common.get_kernel: cached). `name` is an
+    extern "C" kernel or an instantiation of a templated one, e.g. "gemv_v5<EPI_BIAS_GELU, true>"."""
+    return get_kernel(CU, name, defines(rows, unroll))
+
+
+def _index_vector(a, name: str, n: int):
+    """An int32 (n,) index vector on the GPU (token ids, positions, lengths: read by the kernels as int*)."""
+    return expect_array(a, name, dtype=np.int32, shape=(n,))
+
+
+def embedding(tokens, positions, wte, wpe, out):
+    """out[i] = wte[tokens[i]] + wpe[positions[i]]; tokens, positions int32 (n,), out (n, C). The ids are
+    not range-checked here (that needs a host sync, and the decode step reads them on the device):
+    GPT.check_tokens checks prompts, and every later id comes from the model's own argmax or sampler."""
+    out = expect_array(out, "out", dtype=np.float32, ndim=2)
+    n, C = out.shape
+    wte = expect_array(wte, "wte", dtype=np.float32, shape=(None, C))
+    expect_array(wpe, "wpe", dtype=np.float32, shape=(None, C))
+    _index_vector(tokens, "tokens", n)
+    _index_vector(positions, "positions", n)
+    kernel("embedding_v2" if C % 4 == 0 else "embedding_v1")(
+        (n,), (min(256, max(32, C // 4)),), (tokens, positions, wte, wpe, out, np.int32(n), np.int32(C)))
+    return out
+
+
+def bias_gelu(h, b):
+    """h = gelu_tanh(h + b) in place; h (N, C), b (C,). Returns h."""
+    h = expect_array(h, "h", dtype=np.float32, ndim=2)
+    b = expect_array(b, "b", dtype=np.float32, shape=(h.shape[1],))
+    total, C = h.size, h.shape[1]
+    if C % 4 == 0:       # float4s in a grid-stride loop
+        kernel("bias_gelu_v2")(launch_grid(total // 4, 256, per_sm=16), (256,), (h, b, np.int64(total), np.int32(C)))
+    else:
+        kernel("bias_gelu_v1")(launch_grid(total, 256), (256,), (h, b, np.int64(total), np.int32(C)))
+    return h
+
+
+def _check_caches(k_cache, v_cache, B: int, C: int):
+    """(H, L, D) of a pair of KV caches (B, H, L, D), float32, contiguous, H * D = C."""
+    k_cache = expect_array(k_cache, "k_cache", dtype=np.float32, shape=(B, None, None, None))
+    _, H, L, D = k_cache.shape
+    expect_array(v_cache, "v_cache", dtype=np.float32, shape=k_cache.shape)
+    if H * D != C:
+        raise ValueError(f"k_cache: {H} heads x head_dim {D} = {H * D} channels, but the activations have C={C}")
+    return H, L, D
+
+
+def kv_cache_fill(qkv, bias, k_cache, v_cache):
+    """Write k and v of a prompt (qkv (B, T, 3C) without bias) into caches (B, H, L, D) at rows 0..T-1."""
+    qkv = expect_array(qkv, "qkv", dtype=np.float32, ndim=3)
+    B, T, C3 = qkv.shape
+    if C3 % 3:
+        raise ValueError(f"qkv: the last dimension holds q, k and v (3C), got {C3}, not a multiple of 3")
+    expect_array(bias, "bias", dtype=np.float32, shape=(C3,))
+    H, L, D = _check_caches(k_cache, v_cache, B, C3 // 3)
+    if L < T:
+        raise ValueError(f"k_cache: holds {L} positions per sequence, fewer than the prompt's T={T} tokens")
+    kernel("kv_cache_fill_v1")((B * T,), (128,), (qkv, bias, k_cache, v_cache, np.int32(B), np.int32(T),
+                                                 np.int32(H), np.int32(D), np.int32(L)))
+
+
+# ----------------------------------------------------------------------------- the decode GEMV
+def _v34_launch(version: int, N: int):
+    """(grid, block) of gemv_v3 (a warp per ROWS rows) or gemv_v4 (a block per ROWS rows)."""
+    if version == 3:
+        return launch_grid(N, ROWS * GEMV_THREADS // 32), (GEMV_THREADS,)
+    return launch_grid(N, ROWS), (32 * V4_WARPS,)
+
+
+def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL,
+               blocks_per_sm: int = V5_BLOCKS_PER_SM):
+    """(grid, block, shared bytes) of gemv_v5 kernel fn: the fewest warps (<= V5_MAXWARPS) whose lanes cover
+    a row with `unroll` float4s each; one block per `rows`-row tile, at most blocks_per_sm per SM and no
+    more than can be resident (common.occupancy), after which blocks loop over tiles."""
+    warps = min(V5_MAXWARPS, max(1, -(-(K // 4) // (32 * unroll))))
+    smem = nb * K * 4 if ln else 0
+    if ln and nb > 2:      # every block re-reads and normalises all nb rows: amortise it over more tiles
+        blocks_per_sm = min(blocks_per_sm, V5_LN_BLOCKS_PER_SM)
+    per_sm = max(1, min(blocks_per_sm, _resident(fn, 32 * warps, smem)))
+    return launch_grid(N, rows, max_blocks=device_info()["multiprocessors"] * per_sm), (32 * warps,), smem
+
+
+@functools.lru_cache(maxsize=None)
+def _resident(fn, block: int, smem: int) -> int:
+    """Blocks of fn resident per SM (cached: the decode step asks on every launch)."""
+    return occupancy(fn, block, smem)["blocks_per_sm"]
+
+
+def _v5_rows_per_launch(fn, K: int, ln: bool) -> int:
+    """Batch rows per launch of gemv_v5 kernel fn: MAXB, or with the LayerNorm prologue (nb rows x K floats
+    in shared memory) as many as this GPU's per-block opt-in limit holds next to fn's static shared memory
+    (a T4's 64 KB: 3 rows of K=4100). GPT-2's decode (K=768, batch <= 8) always fits in one launch."""
+    if not ln:
+        return MAXB
+    room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes
+    return max(1, min(MAXB, room // (4 * K)))
+
+
+def _v5_call(name, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL):
+    fn = kernel(name, rows, unroll)
+    grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll)
+    allow_dynamic_smem(fn, smem, f"ln: the LayerNorm prologue's {nb} row(s) x {K} floats in shared memory")
+    fn(grid, block, args, shared_mem=smem)
+
+
+def _ln_args(ln, K: int, eps: float):
+    """(weight, bias, eps) for the LayerNorm prologue, or null pointers without one."""
+    if ln is None:
+        return NULL, NULL, np.float32(eps)
+    w = expect_array(ln[0], "ln[0] (weight)", dtype=np.float32, shape=(K,))
+    b = expect_array(ln[1], "ln[1] (bias)", dtype=np.float32, shape=(K,))
+    return w, b, np.float32(eps)
+
+
+def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: float = 1e-5,
+         residual: bool = False, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
+    """y (B, N) = x (B, K) @ W^T (+ bias, then GELU) with W (N, K); any B (chunks of MAXB rows).
+    version None = 5. Only v5 has the other fusions:
+      ln=(weight, bias): x is replaced by LayerNorm(x) first (each block normalises it in shared memory);
+      residual=True: out += x @ W^T + bias, in place (out is the residual stream, required).
+    rows/unroll: v5's rows per tile and float4s in flight per lane (a module compiled per pair)."""
+    x = expect_array(x, "x", dtype=np.float32, ndim=2)
+    W = expect_array(W, "W", dtype=np.float32, ndim=2, shape=(None, x.shape[1]))
+    B, K = x.shape
+    N = W.shape[0]
+    if K % 4:
+        raise ValueError(f"x: the GEMV reads float4s, K must be a multiple of 4, got {K}")
+    if bias is not None:
+        expect_array(bias, "bias", dtype=np.float32, shape=(N,))
+    if residual and out is None:
+        raise ValueError("out: residual=True adds into out (the residual stream); pass it")
+    y = out_array(out, (B, N))
+    version = expect_choice(5 if version is None else version, "version", GEMV_VERSIONS)
+    if version != 5 and (ln is not None or residual):
+        raise ValueError(f"version: ln= and residual= need version 5, got {version!r}")
+    if gelu and bias is None:
+        raise ValueError("gelu=True needs a bias (the fused epilogue is gelu(x @ W^T + bias))")
+    b_arg = bias if bias is not None else NULL
+    epi = "EPI_RESID" if residual else "EPI_BIAS_GELU" if gelu else "EPI_BIAS" if bias is not None else "EPI_NONE"
+    if version == 5:
+        if residual and y.data.ptr == x.data.ptr:
+            raise ValueError("out: residual=True updates out in place; it must not be x")
+        if residual and gelu:
+            raise ValueError("gelu: GELU and residual=True cannot be combined")
+        if residual and bias is None:
+            raise ValueError("bias: residual=True needs the projection bias")
+        lw, lb, e = _ln_args(ln, K, eps)
+        name = f"gemv_v5<{epi}, {'false' if ln is None else 'true'}>"
+        step = _v5_rows_per_launch(kernel(name, rows, unroll), K, ln is not None)
+        for b0 in range(0, B, step):
+            nb = min(step, B - b0)
+            _v5_call(name, N, K, nb, ln is not None, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
+                                                      np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL,
+                                                      np.int32(0), np.int32(0)), rows, unroll)
+        return y
+    if version in (1, 2):
+        if gelu:
+            raise ValueError("gelu=True needs version 3 or 4 (the fused epilogue)")
+        if version == 1:       # a thread per output: any batch in one launch
+            kernel("gemv_v1")(launch_grid(B * N, 128), (128,), (x, W, b_arg, y, np.int32(B), np.int32(N), np.int32(K)))
+            return y
+        for b0 in range(0, B, MAXB):
+            nb = min(MAXB, B - b0)
+            kernel("gemv_v2")(launch_grid(N * 32, 128), (128,), (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb],
+                                                                 np.int32(nb), np.int32(N), np.int32(K)))
+        return y
+    grid, block = _v34_launch(version, N)
+    for b0 in range(0, B, MAXB):
+        nb = min(MAXB, B - b0)
+        kernel(f"gemv_v{version}<{epi}>")(grid, block, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
+                                                        np.int32(N), np.int32(K), NULL, NULL, NULL,
+                                                        np.int32(0), np.int32(0)))
+    return y
+
+
+def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=5, ln=None, eps: float = 1e-5):
+    """q (B, C) = first third of x @ W^T + b; k and v go into the caches (B, H, L, D) at row pos[b].
+    version 5 with ln=(weight, bias): x is LayerNorm-ed first, inside the same kernel.
+    pos (B,) int32 is read on the device (so the step is capturable) and not range-checked here:
+    0 <= pos[b] < L is the caller's invariant (generate sizes the cache for every position it feeds)."""
+    x = expect_array(x, "x", dtype=np.float32, ndim=2)
+    B, K = x.shape
+    W = expect_array(W, "W", dtype=np.float32, ndim=2, shape=(None, K))
+    N = W.shape[0]
+    if K % 4 or N % 3:
+        raise ValueError(f"W: expected (3C, K) with K a multiple of 4 (float4 loads), got {W.shape}")
+    C = N // 3
+    expect_array(bias, "bias", dtype=np.float32, shape=(N,))
+    expect_array(q, "q", dtype=np.float32, shape=(B, C))
+    H, L, D = _check_caches(k_cache, v_cache, B, C)
+    _index_vector(pos, "pos", B)
+    expect_choice(version, "version", (3, 4, 5))
+    if version == 5:
+        lw, lb, e = _ln_args(ln, K, eps)
+        name = f"gemv_v5<EPI_QKV, {'false' if ln is None else 'true'}>"
+        step = _v5_rows_per_launch(kernel(name, V5_ROWS), K, ln is not None)
+        for b0 in range(0, B, step):
+            nb = min(step, B - b0)
+            _v5_call(name, N, K, nb, ln is not None,
+                     (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
+                      k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
+        return q
+    if ln is not None:
+        raise ValueError(f"version: ln= needs version 5, got {version!r}")
+    grid, block = _v34_launch(version, N)
+    for b0 in range(0, B, MAXB):
+        nb = min(MAXB, B - b0)
+        kernel(f"gemv_v{version}<EPI_QKV>")(grid, block, (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb),
+                                                          np.int32(N), np.int32(K), k_cache[b0:b0 + nb],
+                                                          v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H),
+                                                          np.int32(L)))
+    return q
+
+
+# ----------------------------------------------------------------------------- choosing a token
+def argmax(logits, tokens, pos=None, lens=None):
+    """tokens[b] = argmax(logits[b]) (first index on ties); with pos/lens, also advance both by one.
+    logits (B, V) float32; tokens, pos, lens int32 (B,)."""
+    logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)
+    B, V = logits.shape
+    _index_vector(tokens, "tokens", B)
+    if (pos is None) != (lens is None):
+        raise ValueError("pos, lens: pass both (advance them with the argmax) or neither")
+    adv = pos is not None
+    if adv:
+        _index_vector(pos, "pos", B)
+        _index_vector(lens, "lens", B)
+    kernel("argmax_v1")((B,), (1024,), (logits, np.int32(V), tokens, pos if adv else tokens,
+                                        lens if adv else tokens, np.int32(adv)))
+    return tokens
+
+
+def advance(pos, lens):
+    """pos += 1, lens += 1 on the device (int32 (B,) each; after a token sampled outside the graph)."""
+    pos = expect_array(pos, "pos", dtype=np.int32, ndim=1)
+    _index_vector(lens, "lens", pos.size)
+    if pos.size > 1024:
+        raise ValueError(f"pos: advance_v1 is one block of at most 1024 threads, got {pos.size} sequences")
+    kernel("advance_v1")((1,), (max(32, -(-pos.size // 32) * 32),), (pos, lens, np.int32(pos.size)))
+
+
+# Every kernel name the wrappers above can ask gpt2.cu for (a CPU test compiles each one offline).
+KERNEL_NAMES = (
+    "embedding_v1", "embedding_v2", "bias_gelu_v1", "bias_gelu_v2", "kv_cache_fill_v1", "gemv_v1", "gemv_v2",
+    "argmax_v1", "advance_v1",
+    *(f"gemv_v{v}<{e}>" for v in (3, 4) for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_QKV")),
+    *(f"gemv_v5<{e}, {ln}>" for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_RESID", "EPI_QKV")
+      for ln in ("false", "true")))
+
+# What tests/test_compile.py compiles offline for every arch: gpt2.cu with these constants, its templates instantiated.
+CU_DEFINES = {CU: defines(ROWS, V5_UNROLL)}
+CU_TEMPLATES = {CU: tuple(n for n in KERNEL_NAMES if "<" in n)}
+
+__all__ = ["embedding", "bias_gelu", "kv_cache_fill", "gemv", "gemv_qkv", "argmax", "advance", "layernorm",
+           "residual_layernorm", "flash_attention_qkv", "decode_attention", "decode_split_count", "kernel",
+           "defines", "KERNEL_NAMES"]
