@@ -17,6 +17,22 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
 BLOCK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+
+
+def _show_in_notebooks() -> None:
+    """A Figure made without pyplot displays as a picture only once IPython has a PNG formatter for it; pyplot's
+    inline backend installs one on its first figure, which may come after the first diagram. Install it now."""
+    try:
+        from IPython import get_ipython
+        from IPython.core.pylabtools import select_figure_formats
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and hasattr(shell, "display_formatter"):
+        select_figure_formats(shell, {"png"})
+
+
+_show_in_notebooks()
 LANE_COLORS = [c for cmap in ("tab20", "tab20b") for c in __import__("matplotlib").colormaps[cmap].colors][:32]
 
 

@@ -1,0 +1,391 @@
+"""Benchmarks of step 4b (training GPT-2 on the course's kernels), at nanoGPT's shakespeare_char size:
+6 layers, 6 heads, C = 384, context 256, batch 64, a 65-character vocabulary, fp32 everywhere (CuPy's
+cuBLAS GEMMs in plain fp32; torch with TF32 switched off by common.torch_cuda()).
+
+Rows: tokens/s of a whole training step (forward, backward, clipping, AdamW) against the same model and
+step in PyTorch eager and torch.compile (same batch, same GPU, same run); where the time of one step goes
+(GEMMs vs every other kernel family); attention backward v1 (materialised probabilities) vs v2
+(flash-style) at T = 256 and 1024. `quality()` trains ours and PyTorch's for the same steps on the same
+batches and reports the validation loss and wall time of each (the notebook and the docs call it).
+
+    python -m step4_gpt2.benchmarks_train            # or: python -m common.benchmarks --only step4_gpt2:train
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import common
+from common import bench, torch_cuda
+from common.benchmarks import Row
+
+B, T, V = 64, 256, 65
+SIZE = f"6L C384 B{B} T{T}"
+
+
+def _config():
+    from step4_gpt2.train import shakespeare_char
+    return shakespeare_char(V)
+
+
+def _batches(n: int, batch: int = B, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    p = np.arange(V, 0, -1, dtype=np.float64)
+    out = []
+    for _ in range(n):
+        ids = rng.choice(V, size=(batch, T + 1), p=p / p.sum()).astype(np.int32)
+        out.append((ids[:, :-1].copy(), ids[:, 1:].copy()))
+    return out
+
+
+def _wall(step, batches, warmup: int = 3) -> float:
+    """Seconds per step of a loop that runs `step` on each batch, host clock, after `warmup` steps:
+    what a training loop sees (launch overheads included, no sync inside the loop)."""
+    import cupy as cp
+    for x, y in batches[:warmup]:
+        step(x, y)
+    cp.cuda.Device().synchronize()
+    torch = torch_cuda()
+    if torch is not None:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for x, y in batches[warmup:]:
+        step(x, y)
+    cp.cuda.Device().synchronize()
+    if torch is not None:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (len(batches) - warmup)
+
+
+def ours_step(config=None, tc=None):
+    """(trainer, step(x, y)) for our model; x, y NumPy batches copied to the GPU inside the step."""
+    import cupy as cp
+    from step4_gpt2.train import Trainer, TrainConfig, TrainGPT
+    trainer = Trainer(TrainGPT(config or _config(), seed=0), tc or TrainConfig(batch_size=B))
+    return trainer, lambda x, y: trainer.step(cp.asarray(x), cp.asarray(y), check=False)
+
+
+def torch_step(config=None, tc=None, compiled: bool = False, params=None):
+    """(model, step(x, y)) for the same model and step in PyTorch, or (None, None) without torch+CUDA."""
+    torch = torch_cuda()
+    if torch is None:
+        return None, None
+    from step4_gpt2 import train_torch as TT
+    from step4_gpt2.train import TrainConfig, init_params
+    cfg, tc = config or _config(), tc or TrainConfig(batch_size=B)
+    model = TT.build(cfg).load(params or init_params(cfg, 0))
+    opt = TT.adamw(model, tc)
+    fwd = torch.compile(model) if compiled else model
+    state = {"i": 0}
+
+    def step(x, y):
+        loss = TT.step(fwd, opt, tc, state["i"], torch.as_tensor(x, device="cuda").long(),
+                       torch.as_tensor(y, device="cuda").long())
+        state["i"] += 1
+        return loss
+    return model, step
+
+
+def train_throughput_rows(compile_torch: bool = True, steps: int = 20) -> list[Row]:
+    batches = _batches(steps + 3)
+    tokens = B * T
+    _, ours = ours_step()
+    t_ours = _wall(ours, batches)
+    rows = [Row("train step, ours (tok/s)", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s")]
+    anchors = [("torch eager", False)] + ([("torch.compile", True)] if compile_torch else [])
+    for label, compiled in anchors:
+        _, step = torch_step(compiled=compiled)
+        if step is None:
+            print("torch with CUDA not installed: no torch rows")
+            break
+        t = _wall(step, batches, warmup=3)
+        rows.append(Row(f"train step, {label} (tok/s)", SIZE, t * 1e3, rate=tokens / t, unit="tok/s"))
+        r = Row(f"train step, ours vs {label}", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s",
+                anchor=label, ratio=t / t_ours)
+        rows.append(r.check("ratio", 1.5 if not compiled else 1.0))
+    return rows
+
+
+def train_breakdown_rows() -> list[Row]:
+    """Where one step's GPU time goes: each kernel family timed alone on the step's own buffers, as many
+    calls as one step makes, and its share of the whole step (CUDA events, median)."""
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    from step4_gpt2.train import clip_grad_norm
+    trainer, _ = ours_step()
+    m = trainer.model
+    cfg, P, G = m.config, m.params, m.grads
+    L, C, H, N = cfg.n_layer, cfg.n_embd, cfg.n_head, B * T
+    x, y = (cp.asarray(a) for a in _batches(1)[0])
+    whole = bench(lambda: trainer.step(x, y, check=False), name="whole step")
+    rows = []
+    m.forward(x, y)                               # fills the activations the pieces below read
+    a = m._a
+    p = lambda i, n: P[f"h.{i}.{n}"]  # noqa: E731
+
+    def dw(x_, dy_, out, split):
+        return ops.weight_grad(x_, dy_, out=out, splits=None if split else 1)
+
+    def gemms(split=False, forward=True, dx=True):
+        dq = a.dqkv.reshape(N, 3 * C)
+        for i in range(L):
+            if forward:
+                cp.matmul(a.ln1[i], p(i, "attn.c_attn.weight"), out=a.qkv[i])
+                cp.matmul(a.atty[i].reshape(N, C), p(i, "attn.c_proj.weight"), out=a.tmp)
+                cp.matmul(a.ln2[i], p(i, "mlp.c_fc.weight"), out=a.dh)
+                cp.matmul(a.h[i], p(i, "mlp.c_proj.weight"), out=a.tmp)
+            if dx:
+                cp.matmul(a.dres, p(i, "mlp.c_proj.weight").T, out=a.dh)
+                cp.matmul(a.dh, p(i, "mlp.c_fc.weight").T, out=a.dln)
+                cp.matmul(a.dres, p(i, "attn.c_proj.weight").T, out=a.datty.reshape(N, C))
+                cp.matmul(dq, p(i, "attn.c_attn.weight").T, out=a.dln)
+            if split is not None:
+                dw(a.h[i], a.dres, G[f"h.{i}.mlp.c_proj.weight"], split)
+                dw(a.ln2[i], a.dh, G[f"h.{i}.mlp.c_fc.weight"], split)
+                dw(a.atty[i].reshape(N, C), a.dres, G[f"h.{i}.attn.c_proj.weight"], split)
+                dw(a.ln1[i], dq, G[f"h.{i}.attn.c_attn.weight"], split)
+        if forward:
+            cp.matmul(a.lnf, P["wte.weight"].T, out=a.logits)
+        if dx:
+            cp.matmul(a.logits, P["wte.weight"], out=a.dln)
+        if split is not None:
+            dw(a.logits, a.lnf, G["wte.weight"], split)
+
+    third = 2.0 * N * (12 * C * C * L + C * V)             # FLOPs of one of forward / dx / dW
+    for label, kw in (("forward GEMMs", dict(split=None, dx=False)), ("input-gradient GEMMs (dx)", dict(split=None, forward=False)),
+                      ("weight-gradient GEMMs (dW), one GEMM each", dict(split=False, forward=False, dx=False)),
+                      ("dW GEMMs split over rows (split-K)", dict(split=True, forward=False, dx=False))):
+        t = bench(lambda kw=kw: gemms(**kw), name=label, flops=third)
+        rows.append(Row.of(t, SIZE, ceiling=("fp32 peak", common.fp32_peak_tflops())))
+    torch = torch_cuda()
+    if torch is not None:                         # what PyTorch's own dW GEMMs (one torch.mm each) take
+        tt = lambda a_: torch.as_tensor(a_, device="cuda")  # noqa: E731  (zero-copy view of the CuPy array)
+        pairs = [(tt(a.h[i]), tt(a.dres)) for i in range(L)] + [(tt(a.ln2[i]), tt(a.dh)) for i in range(L)] + \
+                [(tt(a.atty[i].reshape(N, C)), tt(a.dres)) for i in range(L)] + \
+                [(tt(a.ln1[i]), tt(a.dqkv.reshape(N, 3 * C))) for i in range(L)] + [(tt(a.logits), tt(a.lnf))]
+        t = bench(lambda: [torch.mm(u.T, v) for u, v in pairs], name="torch.mm weight-gradient GEMMs", flops=third)
+        rows.append(Row.of(t, SIZE, ceiling=("fp32 peak", common.fp32_peak_tflops())))
+
+    qkv = [q.reshape(B, T, 3 * C) for q in a.qkv]
+    pieces = {
+        "all GEMMs (cuBLAS, 12 per layer + LM head x3)": (gemms, 3 * third),
+        "attention forward (saves lse)": (lambda: [ops.attention_forward(qkv[i], p(i, "attn.c_attn.bias"), H, out=a.atty[i], lse=a.lse[i]) for i in range(L)], None),
+        "attention backward v2": (lambda: [ops.attention_backward(a.datty, qkv[i], p(i, "attn.c_attn.bias"), a.atty[i], a.lse[i], H, dqkv=a.dqkv) for i in range(L)], None),
+        "LayerNorm forward (+residual)": (lambda: [ops.layernorm_forward(a.resid[i], p(i, "ln_2.weight"), p(i, "ln_2.bias"), y=a.tmp, ybias=p(i, "attn.c_proj.bias"), resid=a.resid2[i], out=a.ln2[i], mean=a.m2[i], rstd=a.r2[i]) for i in range(L) for _ in range(2)], None),
+        "LayerNorm backward": (lambda: [ops.layernorm_backward(a.dln, a.resid2[i], p(i, "ln_2.weight"), a.m2[i], a.r2[i], dx=a.dres, dweight=G[f"h.{i}.ln_2.weight"], dbias=G[f"h.{i}.ln_2.bias"], accumulate=True) for i in range(L) for _ in range(2)], None),
+        "bias + GELU forward and backward": (lambda: [(ops.gelu_bias_forward(a.pre[i], p(i, "mlp.c_fc.bias"), out=a.h[i]), ops.gelu_bias_backward(a.h[i], a.pre[i], p(i, "mlp.c_fc.bias"), dpre=a.dh, dbias=G[f"h.{i}.mlp.c_fc.bias"])) for i in range(L)], None),
+        "bias gradients (column sums)": (lambda: [(ops.column_sum(a.dres, out=G[f"h.{i}.mlp.c_proj.bias"]), ops.column_sum(a.dres, out=G[f"h.{i}.attn.c_proj.bias"]), ops.column_sum(a.dqkv.reshape(N, 3 * C), out=G[f"h.{i}.attn.c_attn.bias"])) for i in range(L)], None),
+        "embeddings forward + backward": (lambda: (ops.encoder_forward(x, P["wte.weight"], P["wpe.weight"], out=a.tmp), ops.encoder_backward(a.dres, x, G["wte.weight"], G["wpe.weight"])), None),
+        "fused classifier": (lambda: ops.classifier(a.logits, y.reshape(N), losses=a.losses, grad=False), None),
+        "grad-norm clip + AdamW (one launch)": (lambda: (clip_grad_norm(m.gflat, 1.0), trainer.opt.step(G)), None),
+    }
+    rows.insert(0, Row("whole training step (ours)", SIZE, whole.median_ms, rate=N / (whole.median_ms * 1e-3), unit="tok/s"))
+    rows.insert(1, Row("whole step, host clock from idle", SIZE, whole.wall_median_ms, rate=N / (whole.wall_median_ms * 1e-3),
+                       unit="tok/s"))
+    total = 0.0
+    for name, (fn, flops) in pieces.items():
+        t = bench(fn, name=name, flops=flops)
+        total += t.median_ms
+        r = Row.of(t, SIZE)
+        r.ceiling, r.fraction = "of the step", t.median_ms / whole.median_ms
+        rows.append(r)
+    rows.append(Row("sum of the pieces", SIZE, total, ceiling="of the step", fraction=total / whole.median_ms))
+    return rows
+
+
+def train_attention_rows() -> list[Row]:
+    """Attention backward v1 (materialised P, cuBLAS batched GEMMs) vs v2 (flash-style), 6 heads of 64,
+    B*T = 16384 tokens at T = 256 and at T = 1024; and the forward."""
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    rows, H, D = [], 6, 64
+    for T_, B_ in ((256, 64), (1024, 16)):
+        C = H * D
+        rng = np.random.default_rng(0)
+        qkv = cp.asarray(rng.standard_normal((B_, T_, 3 * C), dtype=np.float32))
+        bias = cp.asarray(0.1 * rng.standard_normal(3 * C, dtype=np.float32))
+        dout = cp.asarray(rng.standard_normal((B_, T_, C), dtype=np.float32))
+        out, lse = ops.attention_forward(qkv, bias, H)
+        dqkv = cp.empty_like(qkv)
+        causal = B_ * H * T_ * (T_ + 1) / 2 * D * 2       # FLOPs of one causal T x T x D product
+        size = f"B{B_} H{H} T{T_} D{D}"
+        fwd = bench(lambda: ops.attention_forward(qkv, bias, H, out=out, lse=lse), name=f"attention forward T={T_}", flops=2 * causal)
+        v1 = bench(lambda: ops.attention_backward(dout, qkv, bias, out, lse, H, dqkv=dqkv, version=1),
+                   name=f"attention backward v1 T={T_}", flops=5 * causal)
+        v2 = bench(lambda: ops.attention_backward(dout, qkv, bias, out, lse, H, dqkv=dqkv, version=2),
+                   name=f"attention backward v2 T={T_}", flops=5 * causal)
+        rows += [Row.of(fwd, size), Row.of(v1, size), Row.of(v2, size, anchor=("v1 (materialised)", v1))]
+        torch = torch_cuda()
+        if torch is not None:
+            q, k, v = (torch.as_tensor(qkv[..., j * C:(j + 1) * C] + bias[j * C:(j + 1) * C], device="cuda")
+                       .reshape(B_, T_, H, D).transpose(1, 2).contiguous().requires_grad_() for j in range(3))
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            g = torch.as_tensor(dout, device="cuda").reshape(B_, T_, H, D).transpose(1, 2)
+            tb = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True),
+                       name=f"torch SDPA backward T={T_}", flops=5 * causal)
+            rows.append(Row.of(tb, size))
+            rows.append(Row(f"attention backward v2 vs torch T={T_}", size, v2.median_ms, anchor="torch SDPA fp32",
+                            ratio=tb.median_ms / v2.median_ms))
+    return rows
+
+
+def quality(steps: int = 300, eval_every: int = 100, data=None, batch: int = B, torch_too: bool = True,
+            progress: bool = False) -> tuple[dict, object]:
+    """Ours and PyTorch eager trained for the same steps on the same batches from the same weights:
+    ({name: {"val": [...], "val_steps": [...], "train": [...], "seconds": s}}, our trainer), val loss on
+    the same fixed validation batches. Needs the Shakespeare corpus (step 3's loader)."""
+    import cupy as cp
+    from step4_gpt2 import train_torch as TT
+    from step4_gpt2.train import Data, Trainer, TrainConfig, TrainGPT, init_params, shakespeare_char
+    data = data or Data.shakespeare("char")
+    cfg = shakespeare_char(data.vocab_size)
+    tc = TrainConfig(batch_size=batch, max_steps=steps, warmup=min(100, steps // 10), eval_every=eval_every)
+    P = init_params(cfg, 0)
+    out = {}
+    trainer = Trainer(TrainGPT(cfg, P), tc)
+    h = trainer.fit(data, steps, progress=progress)
+    out["ours"] = {"val": h.val, "val_steps": h.val_steps, "train": h.train, "steps": h.steps,
+                   "seconds": h.seconds, "tokens_per_s": h.tokens_per_s}
+    torch = torch_cuda()
+    if not torch_too or torch is None:
+        return out, trainer
+    model = TT.build(cfg).load(P)
+    opt = TT.adamw(model, tc)
+
+    def val_loss():
+        with torch.no_grad():
+            tot = 0.0
+            for i in range(tc.eval_batches):
+                x, y = data.batch("val", tc.batch_size, cfg.block_size, step=i, seed=tc.seed + 12345)
+                tot += model(torch.as_tensor(x, device="cuda").long(), torch.as_tensor(y, device="cuda").long()).item()
+            return tot / tc.eval_batches
+    res = {"val": [], "val_steps": [], "train": [], "steps": [], "seconds": 0.0}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for s in range(steps):
+        x, y = data.batch("train", tc.batch_size, cfg.block_size, step=s, seed=tc.seed)
+        loss = TT.step(model, opt, tc, s, torch.as_tensor(x, device="cuda").long(), torch.as_tensor(y, device="cuda").long())
+        if (s + 1) % 10 == 0 or (s + 1) % eval_every == 0 or s + 1 == steps:
+            res["train"].append(loss.item())
+            res["steps"].append(s + 1)
+        if (s + 1) % eval_every == 0 or s + 1 == steps:
+            torch.cuda.synchronize()
+            res["seconds"] += time.perf_counter() - t0
+            res["val"].append(val_loss())
+            res["val_steps"].append(s + 1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+    res["tokens_per_s"] = steps * tc.batch_size * cfg.block_size / res["seconds"]
+    out["torch eager"] = res
+    cp.cuda.Device().synchronize()
+    return out, trainer
+
+
+def gradient_check(B_: int = 4, seed: int = 1) -> list[tuple]:
+    """[(tensor group, max rel error vs torch fp32, vs torch float64, torch fp32 vs float64)] at the
+    shakespeare_char size on one batch: how close our gradients are, next to PyTorch's own fp32 error."""
+    import cupy as cp
+    torch = torch_cuda()
+    from step4_gpt2 import train_torch as TT
+    from step4_gpt2.train import TrainGPT, init_params
+    cfg = _config()
+    P = init_params(cfg, seed)
+    rng = np.random.default_rng(seed)
+    for k in P:                                   # random biases and LayerNorm parameters
+        if k.endswith("bias") or ".ln_" in k or k.startswith("ln_"):
+            P[k] = (P[k] + 0.1 * rng.standard_normal(P[k].shape)).astype(np.float32)
+    x, y = _batches(1, batch=B_, seed=seed)[0]
+    m = TrainGPT(cfg, P)
+    m.loss_and_grads(cp.asarray(x), cp.asarray(y))
+    ours = {k: v.get() for k, v in m.grads.items()}
+    ref = {}
+    for dt in (torch.float32, torch.float64):
+        tm = TT.build(cfg, dtype=dt).load(P)
+        tm(torch.as_tensor(x, device="cuda").long(), torch.as_tensor(y, device="cuda").long()).backward()
+        ref[dt] = tm.grads()
+    groups = {}
+    for k in ours:
+        g = k.split(".", 2)[-1] if k.startswith("h.") else k
+        e = (TT.max_rel_error(ours[k], ref[torch.float32][k]), TT.max_rel_error(ours[k], ref[torch.float64][k]),
+             TT.max_rel_error(ref[torch.float32][k], ref[torch.float64][k]))
+        old = groups.get(g, (0.0, 0.0, 0.0))
+        groups[g] = tuple(max(a, b) for a, b in zip(old, e))
+    return [(g, *e) for g, e in groups.items()]
+
+
+def run() -> list[Row]:
+    return train_throughput_rows() + train_breakdown_rows() + train_attention_rows()
+
+
+
+def report(directory, quality_steps: int = 600, compile_torch: bool = True) -> str:
+    """Everything measured in one run, as Markdown (report.md) and JSON (report.json) in `directory`: device
+    and date, the gradient check, the benchmark tables, the loss trajectories of ours vs PyTorch on the same
+    batches with their wall times, and a sample of text from the model just trained."""
+    import datetime
+    import json
+    from pathlib import Path
+    from common.benchmarks import table
+    from step4_gpt2.train import generate
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [f"device: {common.device.describe()}", f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             "precision: fp32 everywhere; CuPy cuBLAS plain fp32, torch with TF32 off", ""]
+    rec = {"device": lines[0], "date": lines[1]}
+    if torch_cuda() is not None:
+        grads = gradient_check()
+        rec["gradient_check"] = grads
+        lines += ["| tensor (max over layers) | ours vs torch fp32 | ours vs torch fp64 | torch fp32 vs fp64 |", "|---|---|---|---|"]
+        lines += [f"| {g} | {a:.1e} | {b:.1e} | {c:.1e} |" for g, a, b, c in grads] + [""]
+    print("\n".join(lines), flush=True)
+    from step4_gpt2.train import Data
+    try:
+        data = Data.shakespeare("char")
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        data = None
+        print(f"no quality run and no sample: {e}", flush=True)
+    if data is not None:
+        q, trainer = quality(quality_steps, eval_every=max(1, quality_steps // 6), data=data)
+        rec["quality"] = q
+        names = list(q)
+        part = ["| step | " + " | ".join(f"val loss {n}" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+        for k, st in enumerate(q[names[0]]["val_steps"]):
+            part.append(f"| {st} | " + " | ".join(f"{q[n]['val'][k]:.4f}" for n in names) + " |")
+        part += ["", "| run | training wall time (s) | tokens/s |", "|---|---|---|"]
+        part += [f"| {n} | {q[n]['seconds']:.1f} | {q[n]['tokens_per_s']:,.0f} |" for n in names]
+        text = generate(trainer.model, data.tokenizer, "To be, or not to be", max_new_tokens=400, temperature=0.8)
+        rec["sample"] = text
+        part += ["", "sample (temperature 0.8):", "```", text, "```", ""]
+        trainer.save(directory / "checkpoint", data.tokenizer)
+        del trainer
+        lines += part
+        print("\n".join(part), flush=True)
+    rows = []
+    for fn in (train_breakdown_rows, train_attention_rows, lambda: train_throughput_rows(compile_torch=compile_torch)):
+        new = fn()
+        rows += new
+        print(table(new), flush=True)
+        rec["rows"] = [r.record() for r in rows]
+        (directory / "report.json").write_text(json.dumps(rec, indent=1, default=float))
+    lines += [table(rows), ""]
+    md = "\n".join(lines)
+    (directory / "report.md").write_text(md)
+    (directory / "report.json").write_text(json.dumps(rec, indent=1, default=float))
+    return md
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m step4_gpt2.benchmarks_train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report", metavar="DIR", help="also the gradient check, the quality run and a sample, "
+                                                    "written to DIR/report.md and DIR/report.json")
+    ap.add_argument("--quality-steps", type=int, default=600)
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchor (it compiles for a minute)")
+    args = ap.parse_args()
+    if args.report:
+        print(report(args.report, args.quality_steps, not args.no_compile))
+    else:
+        from common.benchmarks import table
+        print(table(train_throughput_rows(compile_torch=not args.no_compile) + train_breakdown_rows() + train_attention_rows()))

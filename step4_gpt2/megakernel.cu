@@ -1,0 +1,783 @@
+// megakernel.cu - the limit of fusion: one persistent kernel runs a whole GPT-2 decode step (all layers).
+//
+// A decode step at batch <= 8 reads every weight once (494.6 MB for the 124M model) and does almost no
+// arithmetic per byte, so its floor is the time to stream the weights from DRAM. Run as ~60 small kernels
+// (step 4's decode), each kernel pays a launch, a DRAM round trip before its loads arrive and a drain at
+// its end, and the GPU is idle in between. Here one launch keeps one block (or two) resident per SM for
+// the whole step; every block takes a tile of every stage:
+//
+//   per layer   QKV      LayerNorm(x) (each block recomputes it for the <= 8 rows: cheaper than a stage)
+//                        -> rows of c_attn -> q, and k/v appended to the cache at each sequence's position
+//               ATT      attention over the cache, split over (sequence, head, chunk of positions), one warp
+//                        per unit; the last unit of a (sequence, head) to finish combines the chunks
+//               PROJ     rows of attn c_proj, + bias + residual into x (in place)
+//               FC       LayerNorm(x) -> rows of c_fc -> GELU -> h
+//               MPROJ    rows of mlp c_proj, + bias + residual into x
+//   then        LM       LayerNorm_f(x) -> rows of the tied LM head -> logits, and the greedy choice:
+//                        each block's best (value, index) packed into 64 bits, combined with one atomicMax;
+//                        the last block to finish writes the token and advances the position.
+//
+// A GEMV stage splits its N output rows into contiguous ranges, one per block; inside a block a warp takes
+// ROWS rows x one segment of 32*UNROLL float4 columns and issues all its weight loads before using them.
+//
+//   v1  a grid-wide barrier before every stage (an atomic counter + a bounded spin), 5 per layer: simple,
+//       but after each barrier every block starts its loads from scratch: the DRAM idles for the barrier
+//       and for one round trip per stage.
+//   v2  no barriers. Each stage announces its progress on counters in global memory (release: fence +
+//       atomicAdd; acquire: ld.acquire + fence), and a consumer waits only for what it reads: attention on
+//       head h waits for head h's q/k/v rows only. Before waiting, a block issues the register loads of its
+//       first weight tile and asks L2 to prefetch the next stage's weights (prefetch.global.L2), so the DRAM
+//       keeps streaming weights while blocks wait, normalise or do attention.
+//
+// Both versions can run several greedy decode steps in one launch (nsteps): the chosen token feeds the next
+// step on the device. Nothing here can hang: every wait is bounded by %globaltimer (timeout_ns); on a
+// timeout a block records (code, block, stage, layer, step) in err[] and every block leaves at its next
+// wait; the host turns err[] into an exception. All blocks must be resident at once (the host sizes the
+// grid with the occupancy API and refuses a launch that cannot fit). stall_block >= 0 makes that block never
+// signal (the test of the timeout path). With -DMK_TIMELINE=1 thread 0 of each block stamps %globaltimer at
+// the start of each stage, when its inputs are ready, and at its end (the measurement; the normal build
+// compiles the stamps out).
+//
+// Compile-time constants (defaults: GPT-2 124M, batch 1): NB (batch rows), C, NH, NL, VOCAB, MK_THREADS,
+// MK_ROWS, MK_UNROLL, MK_VERSION (1|2), MK_PF_WAVES (waves of weight rows prefetched ahead, v2),
+// ATT_MAXCL (most positions per attention unit), MK_ATT_PF_MAX (bytes of KV cache v2 prefetches), MK_EPS
+// (LayerNorm epsilon), MK_TIMELINE.
+#include "course.cuh"
+
+#ifndef NB
+#define NB 1
+#endif
+#ifndef C
+#define C 768
+#endif
+#ifndef NH
+#define NH 12
+#endif
+#ifndef NL
+#define NL 12
+#endif
+#ifndef VOCAB
+#define VOCAB 50257
+#endif
+#ifndef MK_THREADS
+#define MK_THREADS 384
+#endif
+#ifndef MK_ROWS
+#define MK_ROWS 2
+#endif
+#ifndef MK_UNROLL
+#define MK_UNROLL 3
+#endif
+#ifndef MK_VERSION
+#define MK_VERSION 2
+#endif
+#ifndef MK_PF_WAVES
+#define MK_PF_WAVES 2
+#endif
+#ifndef ATT_MAXCL
+#define ATT_MAXCL 256
+#endif
+#ifndef MK_ATT_PF_MAX
+#define MK_ATT_PF_MAX (16ll << 20)
+#endif
+#ifndef MK_EPS
+#define MK_EPS 1e-5f
+#endif
+#ifndef MK_TIMELINE
+#define MK_TIMELINE 0
+#endif
+
+#define HD (C / NH)
+#define NWARPS (MK_THREADS / 32)
+#define R MK_ROWS
+#define U MK_UNROLL
+
+static_assert(NB >= 1 && NB <= 8, "NB: batch rows 1..8");
+static_assert(C % NH == 0 && (HD == 32 || HD == 64), "head_dim must be 32 or 64");
+static_assert(C % 4 == 0, "C must be a multiple of 4 (float4 loads)");
+static_assert(HD % R == 0, "a row group of QKV must not straddle q/k/v or two heads");
+static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024 && NWARPS >= NB, "MK_THREADS: a warp per batch row");
+static_assert(MK_VERSION == 1 || MK_VERSION == 2, "MK_VERSION must be 1 or 2");
+static_assert(ATT_MAXCL % 32 == 0, "ATT_MAXCL must be a multiple of 32");
+
+// One layer's pointers in the table the host passes (NL x LW_COUNT, as 64-bit integers).
+enum { LW_LN1W, LW_LN1B, LW_ATTNW, LW_ATTNB, LW_PROJW, LW_PROJB, LW_LN2W, LW_LN2B, LW_FCW, LW_FCB,
+       LW_MPROJW, LW_MPROJB, LW_KCACHE, LW_VCACHE, LW_COUNT };
+// Counters in sync[] (uint32, zeroed once; they only grow, so targets come from the step number).
+enum { S_BAR, S_ATT_DONE, S_X_DONE, S_H_DONE, S_X2_DONE, S_LM_DONE, S_TOK_DONE, S_HEAD0 = 8 };
+#define S_ATTC0 (S_HEAD0 + NH)      // then NB*NH arrival counters, one per (sequence, head)
+enum { ST_QKV, ST_ATT, ST_PROJ, ST_FC, ST_MPROJ, ST_LM };
+#define STAGES_PER_STEP (5 * NL + 1)
+enum { EPI_QKV, EPI_RESID, EPI_GELU, EPI_LOGITS };
+
+// ------------------------------------------------------------------------------------------ small helpers
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_volatile(const int* p) { return *(const volatile int*)p; }
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
+// Where a stage is: for the error record and the timeline.
+struct Where { int stage, layer, step; };
+
+struct Ctl {
+    unsigned* sync;
+    int* err;
+    long long timeout_ns;
+    int stall_block;
+    unsigned long long* timeline;   // (grid, nsteps * STAGES_PER_STEP, 3) with MK_TIMELINE
+    int stamps_per_block;
+};
+
+// One thread waits until *ctr >= target (wrap-safe). False when this wait timed out (it records where) or
+// another block already reported an error: the caller then leaves.
+__device__ bool wait_geq(const unsigned* ctr, unsigned target, const Ctl& ctl, Where w) {
+    const unsigned long long t0 = globaltimer();
+    for (unsigned it = 0;; ++it) {
+        if ((int)(ld_acquire(ctr) - target) >= 0) { __threadfence(); return true; }
+        if ((it & 15) == 15) {
+            if (ld_volatile(ctl.err) != 0) return false;
+            if ((long long)(globaltimer() - t0) > ctl.timeout_ns) {
+                if (atomicCAS(ctl.err, 0, 1) == 0) {
+                    ctl.err[1] = blockIdx.x; ctl.err[2] = w.stage; ctl.err[3] = w.layer; ctl.err[4] = w.step;
+                    ctl.err[5] = (int)target; ctl.err[6] = (int)ld_acquire(ctr);
+                    __threadfence();
+                }
+                return false;
+            }
+        }
+    }
+}
+
+// Whole-block versions: thread 0 waits, everyone learns the outcome from the same barrier.
+__device__ __forceinline__ bool block_wait(const unsigned* ctr, unsigned target, const Ctl& ctl, Where w) {
+    bool ok = true;
+    if (threadIdx.x == 0) ok = wait_geq(ctr, target, ctl, w);
+    return __syncthreads_and(ok);
+}
+// Release: everything this block wrote before is visible to whoever sees the counter move.
+__device__ __forceinline__ void block_signal(unsigned* ctr, unsigned add, const Ctl& ctl) {
+    __syncthreads();
+    if (threadIdx.x == 0 && (int)blockIdx.x != ctl.stall_block && add) { __threadfence(); atomicAdd(ctr, add); }
+}
+
+// v1: every block arrives, then waits for all gridDim.x arrivals; bar is the counter's value before it.
+__device__ __forceinline__ bool grid_barrier(unsigned* ctr, unsigned& bar, const Ctl& ctl, Where w) {
+    block_signal(ctr, 1, ctl);
+    const bool ok = block_wait(ctr, bar + gridDim.x, ctl, w);
+    bar += gridDim.x;
+    return ok;
+}
+
+__device__ __forceinline__ void stamp(const Ctl& ctl, int idx, int which) {
+#if MK_TIMELINE
+    if (threadIdx.x == 0) ctl.timeline[((long long)blockIdx.x * ctl.stamps_per_block + idx) * 3 + which] = globaltimer();
+#endif
+}
+
+// ------------------------------------------------------------------------------------------ GEMV tiles
+// A stage's matrix W is (N, K), row-major, rows = outputs. Row groups of R rows; block b owns the
+// contiguous groups [RG*b/G, RG*(b+1)/G). A warp takes one (row group, segment) item per wave.
+template <int K> struct Geo {
+    static constexpr int K4 = K / 4;
+    static constexpr int SEG = 32 * U;                              // float4 columns per segment
+    static constexpr int NSEG = (K4 + SEG - 1) / SEG;
+    static constexpr int WPRG = NSEG < NWARPS ? NSEG : NWARPS;     // warps per row group
+    static constexpr int RGPW = NWARPS / WPRG;                      // row groups per wave
+    static constexpr bool FULL = K4 % SEG == 0;
+};
+static_assert(Geo<C>::RGPW * R * NB <= MK_THREADS, "one reduction per thread");
+
+// QKV rows are visited head-major (all of head 0's q, k and v rows, then head 1's, ...), so a block's
+// contiguous range finishes a few heads, and attention on a head can start as soon as its rows are done.
+template <int EPI>
+__device__ __forceinline__ int row_of(int v) {
+    if (EPI != EPI_QKV) return v;
+    const int h = v / (3 * HD), rem = v - h * 3 * HD, part = rem / HD, d = rem - part * HD;
+    return part * C + h * HD + d;
+}
+
+template <int N>
+__device__ __forceinline__ void tile_range(int& rg0, int& rg1) {
+    constexpr int RG = (N + R - 1) / R;
+    rg0 = (int)((long long)RG * blockIdx.x / gridDim.x);
+    rg1 = (int)((long long)RG * (blockIdx.x + 1) / gridDim.x);
+}
+
+template <int K, int N, int EPI>
+__device__ __forceinline__ void gemv_load(float4 (&w)[R][U], const float* __restrict__ W, int rg, int seg, bool act) {
+    using G = Geo<K>;
+    const int lane = threadIdx.x % 32;
+    const float4* W4 = reinterpret_cast<const float4*>(W);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int v = rg * R + r;
+        const float4* row = W4 + (long long)row_of<EPI>(v < N ? v : N - 1) * G::K4;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = seg * G::SEG + lane + 32 * u;
+            w[r][u] = (act && (G::FULL || k < G::K4)) ? __ldcs(row + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+}
+
+// Ask L2 for rows [v0, v1) of W (one prefetch per 128-byte line), spread over the block's threads.
+// Not inlined: its address arithmetic would otherwise hold registers across the whole kernel (spills).
+template <int K, int N, int EPI>
+__device__ __noinline__ void prefetch_rows(const float* W, int v0, int v1) {
+    constexpr int LPR = (K * 4 + 127) / 128;
+    v1 = v1 < N ? v1 : N;
+    for (int i = threadIdx.x; i < (v1 - v0) * LPR; i += MK_THREADS) {
+        const int v = v0 + i / LPR;
+        prefetch_l2(W + (long long)row_of<EPI>(v) * K + (i % LPR) * 32);
+    }
+}
+
+// The first waves of this block's tile of a stage: what v2 prefetches one stage ahead.
+template <int K, int N, int EPI>
+__device__ __forceinline__ void prefetch_tile(const float* W) {
+    int rg0, rg1;
+    tile_range<N>(rg0, rg1);
+    const int end = min(rg1, rg0 + MK_PF_WAVES * Geo<K>::RGPW);
+    prefetch_rows<K, N, EPI>(W, rg0 * R, end * R);
+}
+
+// The register loads of the block's first wave (v2 issues them before waiting for the stage's inputs).
+template <int K, int N, int EPI>
+__device__ __forceinline__ void gemv_preload(float4 (&w)[R][U], const float* W) {
+    using G = Geo<K>;
+    int rg0, rg1;
+    tile_range<N>(rg0, rg1);
+    const int warp = threadIdx.x / 32, slot = warp / G::WPRG, wi = warp % G::WPRG;
+    gemv_load<K, N, EPI>(w, W, rg0 + slot, wi, slot < G::RGPW && rg0 + slot < rg1);
+}
+
+struct Epi {
+    const float* bias;
+    float* out;          // q (QKV), x (RESID), h (GELU), logits (LOGITS)
+    float* kc;           // QKV: this layer's caches (NB, NH, L, HD)
+    float* vc;
+    const int* spos;     // shared: each row's position
+    int L;
+    unsigned long long* best;   // LOGITS: shared, packed (value, index) per row
+};
+
+__device__ __forceinline__ unsigned long long pack_best(float v, int n) {
+    unsigned bits = __float_as_uint(v);
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);        // order-preserving for non-NaN floats
+    return ((unsigned long long)bits << 32) | (unsigned)(0xffffffffu - (unsigned)n);   // ties: smaller index
+}
+
+template <int EPI, int N>
+__device__ __forceinline__ void epilogue(int v, int b, float s, const Epi& e) {
+    const int n = row_of<EPI>(v);
+    if (EPI == EPI_QKV) {
+        s += e.bias[n];
+        const int part = n / C, c = n - part * C, h = c / HD, d = c - h * HD;
+        if (part == 0) e.out[b * C + c] = s;
+        else (part == 1 ? e.kc : e.vc)[(((long long)b * NH + h) * e.L + e.spos[b]) * HD + d] = s;
+    } else if (EPI == EPI_RESID) {
+        float* p = e.out + (long long)b * N + n;
+        *p = __ldcg(p) + s + e.bias[n];
+    } else if (EPI == EPI_GELU) {
+        e.out[(long long)b * N + n] = gelu_tanh(s + e.bias[n]);
+    } else {
+        e.out[(long long)b * N + n] = s;
+    }
+}
+
+// The block's whole tile of one GEMV stage: xs (shared, NB x K) times rows of W. w holds the first
+// wave's weights on entry when `preloaded`. Every wave: compute, issue the next wave's loads (and, v2, an L2
+// prefetch MK_PF_WAVES waves ahead), reduce across warps in shared memory, epilogue.
+template <int K, int N, int EPI>
+__device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __restrict__ W, const float* xs,
+                          float* part, const Epi& e) {
+    using G = Geo<K>;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int slot = warp / G::WPRG, wi = warp % G::WPRG;
+    int rg0, rg1;
+    tile_range<N>(rg0, rg1);
+    if (!preloaded) gemv_load<K, N, EPI>(w, W, rg0 + slot, wi, slot < G::RGPW && rg0 + slot < rg1);
+    const float4* xs4 = reinterpret_cast<const float4*>(xs);
+    // the reduction: thread t sums (slot t / (R NB), row (t / NB) % R, batch row t % NB) over the WPRG warps
+    const int red_slot = threadIdx.x / (R * NB), red_r = (threadIdx.x / NB) % R, red_b = threadIdx.x % NB;
+    float best_v = __int_as_float(0xff800000);
+    int best_n = 0x7fffffff;
+    int buf = 0;
+    for (int base = rg0; base < rg1; base += G::RGPW, buf ^= 1) {
+        const int rg = base + slot;
+        const bool act = slot < G::RGPW && rg < rg1;
+        float acc[R][NB];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) acc[r][b] = 0.0f;
+        if (act) {
+            for (int seg = wi;;) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int k = seg * G::SEG + lane + 32 * u;
+                    if (!G::FULL && k >= G::K4) break;
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) {
+                        const float4 xv = xs4[b * G::K4 + k];
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[r][b] += dot4(w[r][u], xv);
+                    }
+                }
+                seg += G::WPRG;
+                if (seg >= G::NSEG) break;
+                gemv_load<K, N, EPI>(w, W, rg, seg, true);
+            }
+        }
+        const int nrg = rg + G::RGPW;                         // the next wave's first segment: in flight now
+        if (slot < G::RGPW && nrg < rg1) gemv_load<K, N, EPI>(w, W, nrg, wi, true);
+#if MK_VERSION == 2
+        if (base + MK_PF_WAVES * G::RGPW < rg1)
+            prefetch_rows<K, N, EPI>(W, (base + MK_PF_WAVES * G::RGPW) * R,
+                                     min(rg1, base + (MK_PF_WAVES + 1) * G::RGPW) * R);
+#endif
+        float* pb = part + buf * NWARPS * R * NB;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const float s = warp_sum(acc[r][b]);
+                if (lane == 0 && act) pb[(warp * R + r) * NB + b] = s;
+            }
+        __syncthreads();
+        if (red_slot < G::RGPW) {
+            const int rgx = base + red_slot, v = rgx * R + red_r;
+            if (rgx < rg1 && v < N) {
+                float s = 0.0f;
+#pragma unroll 4
+                for (int j = 0; j < G::WPRG; ++j) s += pb[((red_slot * G::WPRG + j) * R + red_r) * NB + red_b];
+                epilogue<EPI, N>(v, red_b, s, e);
+                if (EPI == EPI_LOGITS && (s > best_v || (s == best_v && v < best_n))) { best_v = s; best_n = v; }
+            }
+        }
+    }
+    if (EPI == EPI_LOGITS) {
+        if (best_n != 0x7fffffff) atomicMax(&e.best[red_b], pack_best(best_v, best_n));
+        __syncthreads();
+    }
+}
+
+// ------------------------------------------------------------------------------------------ prologues
+// xs (NB x C) = LayerNorm(x) rows, a warp per row (two passes over the row in shared memory). With
+// `embed`, x is first made from the token and position embeddings, and block 0 stores it as the residual.
+__device__ void ln_rows(const float* x, const float* __restrict__ g, const float* __restrict__ bt, float* xs,
+                        bool embed, const float* __restrict__ wte, const float* __restrict__ wpe,
+                        const int* stok, const int* spos, float* xout) {
+    constexpr int C4 = C / 4;
+    const int lane = threadIdx.x % 32, b = threadIdx.x / 32;
+    if (b < NB) {
+        float4* sr = reinterpret_cast<float4*>(xs) + b * C4;
+        const float4* x4 = reinterpret_cast<const float4*>(x) + b * C4;
+        float sum = 0.0f;
+        for (int k = lane; k < C4; k += 32) {
+            float4 v;
+            if (embed) {
+                const float4 a = __ldg(reinterpret_cast<const float4*>(wte) + (long long)stok[b] * C4 + k);
+                const float4 p = __ldg(reinterpret_cast<const float4*>(wpe) + (long long)spos[b] * C4 + k);
+                v = make_float4(a.x + p.x, a.y + p.y, a.z + p.z, a.w + p.w);
+                if (blockIdx.x == 0) reinterpret_cast<float4*>(xout)[b * C4 + k] = v;
+            } else {
+                v = __ldcg(x4 + k);
+            }
+            sr[k] = v;
+            sum += (v.x + v.y) + (v.z + v.w);
+        }
+        const float mean = warp_sum(sum) / C;
+        float ss = 0.0f;
+        for (int k = lane; k < C4; k += 32) {
+            const float4 v = sr[k];
+            const float a = v.x - mean, c = v.y - mean, d = v.z - mean, f = v.w - mean;
+            ss += (a * a + c * c) + (d * d + f * f);
+        }
+        const float rstd = rsqrtf(warp_sum(ss) / C + MK_EPS);
+        const float4* g4 = reinterpret_cast<const float4*>(g);
+        const float4* b4 = reinterpret_cast<const float4*>(bt);
+        for (int k = lane; k < C4; k += 32) {
+            const float4 v = sr[k], gg = __ldg(g4 + k), bb = __ldg(b4 + k);
+            sr[k] = make_float4((v.x - mean) * rstd * gg.x + bb.x, (v.y - mean) * rstd * gg.y + bb.y,
+                                (v.z - mean) * rstd * gg.z + bb.z, (v.w - mean) * rstd * gg.w + bb.w);
+        }
+    }
+    __syncthreads();
+}
+
+// xs = src (NB x K), written by other blocks in this launch: read through L2 (ld.cg), never ld.global.nc.
+__device__ void copy_rows(const float* src, float* xs, int n4) {
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    float4* d4 = reinterpret_cast<float4*>(xs);
+    for (int i = threadIdx.x; i < n4; i += MK_THREADS) d4[i] = __ldcg(s4 + i);
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------------------------------ attention
+// Unit u = (head h, row b, chunk c): positions [c*CL, min(len, (c+1)*CL)) of sequence b, head h, one warp.
+// Scores: a lane per position (a whole key row per lane, q broadcast from shared memory); softmax over the
+// chunk; output: lanes split the head dimension and walk the positions. The partial (max, sum, o[HD]) goes
+// to global memory; the warp whose arrival completes (b, h) merges the chunks into att.
+__device__ __forceinline__ int att_chunk_len(const int* slens, int nch) {
+    int mx = 1;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) mx = max(mx, slens[b]);
+    return ((mx + nch - 1) / nch + 31) / 32 * 32;
+}
+
+__device__ void attention_unit(int u, int nch, int CL, const float* q, const float* kc, const float* vc,
+                               float* partial, float* att, unsigned* attc, unsigned gl, const int* slens,
+                               int L, float* sq, float* sp, const Ctl& ctl) {
+    constexpr int HD4 = HD / 4, OPL = HD / 32;                 // head-dim values per lane in the output
+    const int lane = threadIdx.x % 32;
+    const int h = u / (NB * nch), b = (u / nch) % NB, c = u % nch;
+    const int len = slens[b], t0 = c * CL, t1 = min(len, t0 + CL);
+    const float scale = rsqrtf((float)HD);
+    for (int d = lane; d < HD; d += 32) sq[d] = __ldcg(q + b * C + h * HD + d) * scale;
+    __syncwarp();
+    const float4* K4 = reinterpret_cast<const float4*>(kc + ((long long)b * NH + h) * L * HD);
+    const float* Vh = vc + ((long long)b * NH + h) * L * HD;
+    const float4* q4 = reinterpret_cast<const float4*>(sq);
+    float m = __int_as_float(0xff800000);
+    for (int t = t0 + lane; t < t1; t += 32) {
+        float s = 0.0f;
+#pragma unroll 4                                          // full unrolling costs registers (spills)
+        for (int d4 = 0; d4 < HD4; ++d4) s += dot4(__ldcg(K4 + (long long)t * HD4 + d4), q4[d4]);
+        sp[t - t0] = s;
+        m = fmaxf(m, s);
+    }
+    m = warp_max(m);
+    float l = 0.0f;
+    for (int i = lane; i < t1 - t0; i += 32) {
+        const float p = expf(sp[i] - m);
+        sp[i] = p;
+        l += p;
+    }
+    l = warp_sum(l);
+    __syncwarp();
+    float o[OPL];
+#pragma unroll
+    for (int j = 0; j < OPL; ++j) o[j] = 0.0f;
+    int i = 0;
+    for (; i + 4 <= t1 - t0; i += 4) {                           // 4 rows' loads in flight per lane
+        float vv[4][OPL];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int j = 0; j < OPL; ++j) vv[a][j] = __ldcg(Vh + (long long)(t0 + i + a) * HD + lane + 32 * j);
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int j = 0; j < OPL; ++j) o[j] += sp[i + a] * vv[a][j];
+    }
+    for (; i < t1 - t0; ++i)
+#pragma unroll
+        for (int j = 0; j < OPL; ++j) o[j] += sp[i] * __ldcg(Vh + (long long)(t0 + i) * HD + lane + 32 * j);
+    float* P = partial + ((long long)(b * NH + h) * nch + c) * (HD + 2);
+    if (lane == 0) { P[0] = m; P[1] = l; }                      // an empty chunk: m = -inf, l = 0, o = 0
+#pragma unroll
+    for (int j = 0; j < OPL; ++j) P[2 + lane + 32 * j] = o[j];
+    __syncwarp();
+    unsigned last = 0;
+    if (lane == 0) {
+        __threadfence();
+        const unsigned target = (gl + 1) * (unsigned)nch;
+        last = atomicAdd(&attc[b * NH + h], 1u) == target - 1;
+        if (last) __threadfence();
+    }
+    last = __shfl_sync(FULL_MASK, last, 0);
+    if (!last) return;
+    // merge the nch chunks of (b, h): softmax-weighted by exp(m_c - M)
+    const float* P0 = partial + (long long)(b * NH + h) * nch * (HD + 2);
+    float M = __int_as_float(0xff800000);
+    for (int cc = lane; cc < nch; cc += 32) M = fmaxf(M, __ldcg(P0 + cc * (HD + 2)));
+    M = warp_max(M);
+    float Ls = 0.0f, acc[OPL];
+#pragma unroll
+    for (int j = 0; j < OPL; ++j) acc[j] = 0.0f;
+    for (int cc = 0; cc < nch; ++cc) {
+        const float* Pc = P0 + cc * (HD + 2);
+        const float mc = __ldcg(Pc);
+        const float wgt = mc == __int_as_float(0xff800000) ? 0.0f : expf(mc - M);
+        Ls += wgt * __ldcg(Pc + 1);
+#pragma unroll
+        for (int j = 0; j < OPL; ++j) acc[j] += wgt * __ldcg(Pc + 2 + lane + 32 * j);
+    }
+#pragma unroll
+    for (int j = 0; j < OPL; ++j) att[b * C + h * HD + lane + 32 * j] = acc[j] / Ls;
+#if MK_VERSION == 2
+    __syncwarp();
+    if (lane == 0 && (int)blockIdx.x != ctl.stall_block) { __threadfence(); atomicAdd(ctl.sync + S_ATT_DONE, 1u); }
+#endif
+}
+
+#if MK_VERSION == 2
+// v2: L2-prefetch the cache rows this block's attention units will read (they do not depend on this step).
+__device__ __noinline__ void prefetch_attention(const float* kc, const float* vc, int nch, int CL, const int* slens, int L) {
+    const int total = NB * NH * nch;
+    int mx = 0;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) mx = max(mx, slens[b]);
+    if ((long long)NB * NH * mx * HD * 8 > MK_ATT_PF_MAX) return;   // more than L2 should hold: stream it instead
+    constexpr int LPR = HD * 4 / 128 > 0 ? HD * 4 / 128 : 1;
+    for (int u = blockIdx.x * NWARPS; u < total; u += gridDim.x * NWARPS) {
+        for (int j = 0; j < NWARPS && u + j < total; ++j) {
+            const int uu = u + j, h = uu / (NB * nch), b = (uu / nch) % NB, c = uu % nch;
+            const int t0 = c * CL, t1 = min(slens[b] - 1, t0 + CL);       // the newest row is written this step
+            const long long off = ((long long)b * NH + h) * L * HD;
+            for (int i = threadIdx.x; i < (t1 - t0) * LPR * 2; i += MK_THREADS) {
+                const int row = t0 + i / (2 * LPR), part = (i / LPR) & 1, line = i % LPR;
+                prefetch_l2((part ? vc : kc) + off + (long long)row * HD + line * 32);
+            }
+        }
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------ the kernel
+struct Work {              // float workspace (the host allocates it as one buffer)
+    float *x, *q, *att, *h, *partial;
+};
+
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
+megakernel_decode(const unsigned long long* __restrict__ lw, const float* __restrict__ wte,
+                  const float* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
+                  int* tokens, int* pos, int* lens, float* ws, unsigned* sync, unsigned long long* amax,
+                  float* logits, int* out_tokens, int L, int nch, int nsteps, unsigned epoch, unsigned bar_base,
+                  long long timeout_ns, int stall_block, int* err, unsigned long long* timeline) {
+    extern __shared__ float4 smem4[];
+    float* xs = reinterpret_cast<float*>(smem4);                            // NB x 4C
+    float* part = xs + NB * 4 * C;                                          // 2 x NWARPS x R x NB
+    float* sq = part + 2 * NWARPS * R * NB;                                 // NWARPS x HD
+    float* sp = sq + NWARPS * HD;                                           // NWARPS x ATT_MAXCL
+    __shared__ int stok[NB], spos[NB], slens[NB];
+    __shared__ unsigned long long sbest[NB];
+    __shared__ int s_abort;
+
+    const Ctl ctl{sync, err, timeout_ns, stall_block, timeline, nsteps * STAGES_PER_STEP};
+    Work wk;
+    wk.x = ws;
+    wk.q = wk.x + NB * C;
+    wk.att = wk.q + NB * C;
+    wk.h = wk.att + NB * C;
+    wk.partial = wk.h + NB * 4 * C;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned G = gridDim.x;
+#if MK_VERSION == 1
+    unsigned bar = bar_base;                 // v1: barriers passed so far on this sync buffer
+#else
+    (void)bar_base;
+#endif
+    float4 w[R][U];
+    if (threadIdx.x == 0) s_abort = 0;
+
+    for (int step = 0; step < nsteps; ++step) {
+        const unsigned gs = epoch + step;
+        // ---- the step's inputs: tokens, positions, lengths (written by the last step's finisher)
+#if MK_VERSION == 2
+        if (step > 0 && !block_wait(sync + S_TOK_DONE, gs, ctl, Where{ST_QKV, 0, step})) return;
+#endif
+        for (int layer = 0; layer < NL; ++layer) {
+            const unsigned long long* P = lw + layer * LW_COUNT;
+            const float* Wattn = (const float*)P[LW_ATTNW];
+            const float* Wproj = (const float*)P[LW_PROJW];
+            const float* Wfc = (const float*)P[LW_FCW];
+            const float* Wmproj = (const float*)P[LW_MPROJW];
+            float* kc = (float*)P[LW_KCACHE];
+            float* vc = (float*)P[LW_VCACHE];
+            const unsigned gl = gs * NL + layer;
+            int sidx = step * STAGES_PER_STEP + layer * 5;
+            (void)sidx;
+
+            // ================= QKV: x -> LayerNorm -> q, k/v appended
+            stamp(ctl, sidx, 0);
+#if MK_VERSION == 1
+            if (step > 0 || layer > 0) {
+                if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_QKV, layer, step})) return;
+            }
+#else
+            prefetch_tile<C, C, EPI_RESID>(Wproj);     // two stages ahead: attention reads no weights
+            gemv_preload<C, 3 * C, EPI_QKV>(w, Wattn);
+            if (layer > 0 && !block_wait(sync + S_X2_DONE, gl * G, ctl, Where{ST_QKV, layer, step})) return;
+#endif
+            stamp(ctl, sidx, 1);
+            if (threadIdx.x < NB) {
+                stok[threadIdx.x] = __ldcg(tokens + threadIdx.x);
+                spos[threadIdx.x] = __ldcg(pos + threadIdx.x);
+                slens[threadIdx.x] = __ldcg(lens + threadIdx.x);
+            }
+            __syncthreads();
+            ln_rows(wk.x, (const float*)P[LW_LN1W], (const float*)P[LW_LN1B], xs, layer == 0, wte, wpe, stok, spos,
+                    wk.x);
+            {
+                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr};
+                gemv_tile<C, 3 * C, EPI_QKV>(w, MK_VERSION == 2, Wattn, xs, part, e);
+            }
+#if MK_VERSION == 2
+            {   // announce the finished rows of each head
+                int rg0, rg1;
+                tile_range<3 * C>(rg0, rg1);
+                const int v0 = rg0 * R, v1 = min(rg1 * R, 3 * C);
+                __syncthreads();
+                if (threadIdx.x == 0 && (int)blockIdx.x != stall_block && v1 > v0) {
+                    __threadfence();
+                    for (int hh = v0 / (3 * HD); hh <= (v1 - 1) / (3 * HD); ++hh) {
+                        const int a = max(v0, hh * 3 * HD), z = min(v1, (hh + 1) * 3 * HD);
+                        atomicAdd(sync + S_HEAD0 + hh, (unsigned)(z - a));
+                    }
+                }
+            }
+#endif
+            stamp(ctl, sidx, 2);
+
+            // ================= ATT
+            ++sidx;
+            stamp(ctl, sidx, 0);
+            const int CL = att_chunk_len(slens, nch);
+#if MK_VERSION == 1
+            if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_ATT, layer, step})) return;
+            stamp(ctl, sidx, 1);
+#else
+            prefetch_tile<C, 4 * C, EPI_GELU>(Wfc);        // two stages ahead: attention reads no weights
+            prefetch_attention(kc, vc, nch, CL, slens, L);
+            bool stamped = false;
+#endif
+            for (int u = blockIdx.x * NWARPS + warp; u < NB * NH * nch; u += G * NWARPS) {
+#if MK_VERSION == 2
+                const int hh = u / (NB * nch);
+                int ok = 1;
+                if (lane == 0) ok = wait_geq(sync + S_HEAD0 + hh, (gl + 1) * 3 * HD, ctl, Where{ST_ATT, layer, step});
+                ok = __shfl_sync(FULL_MASK, ok, 0);
+                if (!ok) { s_abort = 1; break; }
+                if (!stamped) { stamp(ctl, sidx, 1); stamped = true; }
+#endif
+                attention_unit(u, nch, CL, wk.q, kc, vc, wk.partial, wk.att, sync + S_ATTC0, gl, slens, L,
+                               sq + warp * HD, sp + warp * ATT_MAXCL, ctl);
+            }
+            __syncthreads();
+            if (s_abort) return;
+            stamp(ctl, sidx, 2);
+
+            // ================= PROJ: x += att W^T + b
+            ++sidx;
+            stamp(ctl, sidx, 0);
+#if MK_VERSION == 1
+            if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_PROJ, layer, step})) return;
+#else
+            prefetch_tile<4 * C, C, EPI_RESID>(Wmproj);
+            if (!block_wait(sync + S_ATT_DONE, (gl + 1) * NB * NH, ctl, Where{ST_PROJ, layer, step})) return;
+#endif
+            stamp(ctl, sidx, 1);
+            copy_rows(wk.att, xs, NB * C / 4);
+            {
+                const Epi e{(const float*)P[LW_PROJB], wk.x, nullptr, nullptr, spos, L, nullptr};
+                gemv_tile<C, C, EPI_RESID>(w, false, Wproj, xs, part, e);   // its rows are in L2 by now (v2)
+            }
+#if MK_VERSION == 2
+            block_signal(sync + S_X_DONE, 1, ctl);
+#endif
+            stamp(ctl, sidx, 2);
+
+            // ================= FC: h = gelu(LayerNorm(x) W^T + b)
+            ++sidx;
+            stamp(ctl, sidx, 0);
+#if MK_VERSION == 1
+            if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_FC, layer, step})) return;
+#else
+            {   // the stage after this one: the next layer's QKV rows, or the LM head's first waves
+                const unsigned long long* Pn = lw + (layer + 1 < NL ? layer + 1 : layer) * LW_COUNT;
+                if (layer + 1 < NL) prefetch_tile<C, 3 * C, EPI_QKV>((const float*)Pn[LW_ATTNW]);
+                else prefetch_tile<C, VOCAB, EPI_LOGITS>(wte);
+            }
+            gemv_preload<C, 4 * C, EPI_GELU>(w, Wfc);
+            if (!block_wait(sync + S_X_DONE, (gl + 1) * G, ctl, Where{ST_FC, layer, step})) return;
+#endif
+            stamp(ctl, sidx, 1);
+            ln_rows(wk.x, (const float*)P[LW_LN2W], (const float*)P[LW_LN2B], xs, false, wte, wpe, stok, spos,
+                    wk.x);
+            {
+                const Epi e{(const float*)P[LW_FCB], wk.h, nullptr, nullptr, spos, L, nullptr};
+                gemv_tile<C, 4 * C, EPI_GELU>(w, MK_VERSION == 2, Wfc, xs, part, e);
+            }
+#if MK_VERSION == 2
+            block_signal(sync + S_H_DONE, 1, ctl);
+#endif
+            stamp(ctl, sidx, 2);
+
+            // ================= MPROJ: x += h W^T + b
+            ++sidx;
+            stamp(ctl, sidx, 0);
+#if MK_VERSION == 1
+            if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_MPROJ, layer, step})) return;
+#else
+            gemv_preload<4 * C, C, EPI_RESID>(w, Wmproj);
+            if (!block_wait(sync + S_H_DONE, (gl + 1) * G, ctl, Where{ST_MPROJ, layer, step})) return;
+#endif
+            stamp(ctl, sidx, 1);
+            copy_rows(wk.h, xs, NB * C);
+            {
+                const Epi e{(const float*)P[LW_MPROJB], wk.x, nullptr, nullptr, spos, L, nullptr};
+                gemv_tile<4 * C, C, EPI_RESID>(w, MK_VERSION == 2, Wmproj, xs, part, e);
+            }
+#if MK_VERSION == 2
+            block_signal(sync + S_X2_DONE, 1, ctl);
+#endif
+            stamp(ctl, sidx, 2);
+        }
+
+        // ================= LM head: logits = LayerNorm_f(x) wte^T, greedy choice
+        const int sidx = step * STAGES_PER_STEP + 5 * NL;
+        (void)sidx;
+        stamp(ctl, sidx, 0);
+        if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;
+#if MK_VERSION == 1
+        if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_LM, NL, step})) return;
+#else
+        gemv_preload<C, VOCAB, EPI_LOGITS>(w, wte);
+        if (!block_wait(sync + S_X2_DONE, (gs * NL + NL) * G, ctl, Where{ST_LM, NL, step})) return;
+#endif
+        stamp(ctl, sidx, 1);
+        ln_rows(wk.x, lnf_w, lnf_b, xs, false, wte, wpe, stok, spos, wk.x);
+        {
+            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest};
+            gemv_tile<C, VOCAB, EPI_LOGITS>(w, MK_VERSION == 2, wte, xs, part, e);
+        }
+        if (threadIdx.x < NB && sbest[threadIdx.x]) atomicMax(amax + threadIdx.x, sbest[threadIdx.x]);
+        __syncthreads();
+        // the last block to finish the LM head writes the tokens and advances the positions
+        if (threadIdx.x == 0 && (int)blockIdx.x != stall_block) {
+            __threadfence();
+            const unsigned done = atomicAdd(sync + S_LM_DONE, 1u);
+            if (done == (gs + 1) * G - 1) {
+                __threadfence();
+                for (int b = 0; b < NB; ++b) {
+                    const unsigned long long p = atomicExch(amax + b, 0ull);     // read and reset for the next step
+                    const int tok = (int)(0xffffffffu - (unsigned)(p & 0xffffffffu));
+                    const int t = (p != 0ull && tok >= 0 && tok < VOCAB) ? tok : 0;   // all-NaN row: token 0
+                    tokens[b] = t;
+                    pos[b] += 1;
+                    lens[b] += 1;
+                    if (out_tokens) out_tokens[step * NB + b] = t;
+                }
+                __threadfence();
+#if MK_VERSION == 2
+                atomicAdd(sync + S_TOK_DONE, 1u);
+#endif
+            }
+        }
+        stamp(ctl, sidx, 2);
+        (void)lane;
+    }
+}

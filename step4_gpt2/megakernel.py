@@ -1,0 +1,418 @@
+"""The whole GPT-2 decode step in one persistent kernel (megakernel.cu), as a decoder for generate().
+
+    dec = MegakernelDecoder(model, batch=1, length=300)          # version=2: counters + prefetch
+    first = dec.prefill(ids, lens)                                # the prompt, on the model's prefill path
+    for tokens in dec.decode(200):                                # np.int32 (B,) per step
+        ...
+    generate(model, prompts, 200, mode="megakernel")             # the same through generate()
+
+The interface is generate.Decoder's: `MegakernelDecoder(model, batch, length, greedy, **options)`, `.mode`,
+`.batch`, `.length`, `.greedy`, `.prefill(ids, lens, choose=None)`, `.decode(n_steps, choose=None)`, `.info`,
+and `MegakernelDecoder.preferred(model, batch, length, greedy)` for mode="auto". Options:
+  version          1: a grid-wide barrier before every stage; 2: counters + weight prefetch (default)
+  steps_per_launch greedy steps one launch runs (the kernel feeds its own argmax to the next step); 1 =
+                   one launch per token, the host queues them ahead (pipeline_depth)
+  blocks_per_sm    resident blocks per SM (capped by the occupancy API); threads: per block; unroll: float4
+                   columns per lane per weight row in flight
+  timeout_s        the longest any block may wait for another inside the kernel before it reports an error
+  timeline         compile in %globaltimer stamps (start, inputs ready, end) per stage and block
+  max_blocks       cap the grid (the compute-sanitizer tests run a handful of blocks)
+Sampling (choose given) works one launch per token: the kernel's argmax is replaced by the sampled token.
+
+Nothing hangs: the grid is sized so every block is resident at once (the driver's occupancy calculator);
+when it cannot be, the constructor raises MegakernelUnavailable (mode="auto" then uses the graph decoder),
+and every wait inside the kernel is bounded: a timeout raises MegakernelTimeout naming the block, stage,
+layer and step that waited, and the decoder's counters are reset so it can run again.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from common import allow_dynamic_smem, device_info, expect_choice, get_kernel, require_gpu
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "megakernel.cu"
+KERNEL = "megakernel_decode"
+MAX_BATCH = 8            # the kernel keeps a (rows x batch) accumulator per lane in registers
+THREADS = 384            # 12 warps per block: 168 registers per thread, no spills (512: 128, a few spills)
+ROWS = 2                 # output rows per warp item
+UNROLL = 3               # float4 columns per lane per row in one item: 96 float4 = 384 floats per segment
+PF_WAVES = 2             # v2: waves of weight rows asked from L2 ahead of use
+ATT_MAXCL = 256          # most cache positions one attention unit (one warp) handles
+SYNC_FIXED = 8           # fixed counters before the per-head ones (megakernel.cu: S_HEAD0)
+LW_COUNT = 14            # pointers per layer in the table (megakernel.cu: LW_COUNT)
+STAGES = ("QKV", "attention", "attn proj", "fc", "mlp proj", "LM head")
+TIMEOUT_S = 2.0
+AUTO_MAX_BATCH = 0       # mode="auto" picks the megakernel up to this batch (0: never; see preferred)
+
+
+class MegakernelUnavailable(RuntimeError):
+    """The megakernel cannot run this model/batch on this GPU (its blocks would not all be resident)."""
+
+
+class MegakernelTimeout(RuntimeError):
+    """A block waited longer than timeout_s for another block inside the kernel (reported, not hung)."""
+
+
+def unsupported_reason(config, batch: int) -> str | None:
+    """Why the kernel cannot take this config and batch (None when it can)."""
+    if not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
+        return f"batch: the megakernel decodes 1 to {MAX_BATCH} sequences, got {batch!r}"
+    if config.n_embd % config.n_head or config.head_dim not in (32, 64):
+        return f"config: head_dim must be 32 or 64, got n_embd={config.n_embd}, n_head={config.n_head}"
+    if config.n_embd % 4:
+        return f"config: n_embd must be a multiple of 4 (float4 loads), got {config.n_embd}"
+    return None
+
+
+def defines(config, batch: int, version: int = 2, timeline: bool = False, threads: int = THREADS,
+            unroll: int = UNROLL) -> dict:
+    """The compile-time constants of megakernel.cu for a model config and batch."""
+    return {"NB": int(batch), "C": config.n_embd, "NH": config.n_head, "NL": config.n_layer,
+            "VOCAB": config.vocab_size, "MK_THREADS": threads, "MK_ROWS": ROWS, "MK_UNROLL": unroll,
+            "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL,
+            "MK_EPS": f"{float(config.eps)!r}f", "MK_TIMELINE": int(bool(timeline))}
+
+
+def smem_bytes(config, batch: int, threads: int = THREADS) -> int:
+    """Dynamic shared memory per block: the stage input (batch x 4C), the cross-warp partial sums, and each
+    warp's q row and attention probabilities."""
+    warps = threads // 32
+    return 4 * (batch * 4 * config.n_embd + 2 * warps * ROWS * batch + warps * config.head_dim + warps * ATT_MAXCL)
+
+
+def _resident_blocks_per_sm(fn, threads: int, smem: int) -> int:
+    """Blocks of fn the driver can keep resident on one SM (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+    from cupy.cuda import driver
+    func = getattr(getattr(fn, "kernel", None), "ptr", None)
+    if func is None:      # a CuPy without RawKernel.kernel: the course's calculator (same arithmetic)
+        from common import occupancy
+        return int(occupancy(fn, threads, smem)["blocks_per_sm"])
+    return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(func, threads, smem))
+
+
+class MegakernelDecoder:
+    """Decodes one batch with megakernel.cu: one launch runs every layer of a step (or several steps)."""
+
+    mode = "megakernel"
+
+    def __init__(self, model, batch: int, length: int, greedy: bool = True, version: int = 2,
+                 steps_per_launch: int = 1, blocks_per_sm: int = 1, threads: int = THREADS, unroll: int = UNROLL,
+                 timeout_s: float = TIMEOUT_S, timeline: bool = False, max_blocks: int | None = None,
+                 pipeline_depth: int = 2):
+        require_gpu()
+        import cupy as cp
+        from step4_gpt2.model import KVCache
+        cfg = model.config
+        reason = unsupported_reason(cfg, batch)
+        if reason:
+            raise MegakernelUnavailable(reason)
+        expect_choice(version, "version", (1, 2))
+        expect_choice(threads, "threads", (256, 384, 512))
+        expect_choice(unroll, "unroll", (1, 2, 3, 4))
+        for name, v in (("steps_per_launch", steps_per_launch), ("blocks_per_sm", blocks_per_sm),
+                        ("pipeline_depth", pipeline_depth)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
+        if max_blocks is not None and (not isinstance(max_blocks, (int, np.integer)) or max_blocks < 1):
+            raise ValueError(f"max_blocks: expected None or an integer >= 1, got {max_blocks!r}")
+        if not (timeout_s > 0 and np.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(length, (int, np.integer)) or not 1 <= length <= cfg.block_size:
+            raise ValueError(f"length: the KV cache holds 1 .. block_size={cfg.block_size} positions, got {length!r}")
+        if not greedy and steps_per_launch != 1:
+            raise ValueError("steps_per_launch: sampling (greedy=False) chooses each token on the host, "
+                             "so it needs steps_per_launch=1")
+        self.model, self.batch, self.length, self.greedy = model, int(batch), int(length), bool(greedy)
+        self.version, self.steps_per_launch, self.threads = version, int(steps_per_launch), threads
+        self.timeout_ns, self.timeline, self.pipeline_depth = int(timeout_s * 1e9), bool(timeline), int(pipeline_depth)
+
+        self.fn = get_kernel(SOURCE, KERNEL, defines(cfg, batch, version, timeline, threads, unroll))
+        self.smem = smem_bytes(cfg, batch, threads)
+        try:
+            allow_dynamic_smem(self.fn, self.smem, f"batch={batch}: the megakernel's stage inputs")
+        except ValueError as e:
+            raise MegakernelUnavailable(str(e)) from None
+        per_sm = _resident_blocks_per_sm(self.fn, threads, self.smem)
+        d = device_info()
+        if per_sm < 1:
+            raise MegakernelUnavailable(
+                f"not one block of the megakernel ({threads} threads, {self.fn.num_regs} registers each, "
+                f"{self.smem:,} B of shared memory) fits on an SM of this GPU ({d['name']}); every block must "
+                f"be resident at once, so it cannot run here")
+        self.grid = d["multiprocessors"] * min(int(blocks_per_sm), per_sm)
+        if max_blocks is not None:
+            self.grid = min(self.grid, int(max_blocks))
+        self.resident_per_sm = per_sm
+
+        B, C, H, D, L = self.batch, cfg.n_embd, cfg.n_head, cfg.head_dim, self.length
+        self.cache = KVCache(cfg, B, L)
+        warps = self.grid * (threads // 32)
+        self.nch = max(-(-L // ATT_MAXCL), min(-(-L // 32), max(1, warps // (B * H))))
+        self.tokens, self.pos, self.lens = cp.zeros(B, cp.int32), cp.zeros(B, cp.int32), cp.ones(B, cp.int32)
+        self.logits = cp.empty((B, cfg.vocab_size), cp.float32)
+        self.work = cp.zeros(B * C * 3 + B * 4 * C + B * H * self.nch * (D + 2), cp.float32)
+        self.sync = cp.zeros(SYNC_FIXED + H + B * H, cp.uint32)
+        self.amax = cp.zeros(B, cp.uint64)
+        self.err = cp.zeros(8, cp.int32)
+        ptrs = []
+        for i, blk in enumerate(model.h):
+            ptrs += [blk.ln_1[0], blk.ln_1[1], blk.c_attn, blk.c_attn_b, blk.c_proj, blk.c_proj_b, blk.ln_2[0],
+                     blk.ln_2[1], blk.c_fc, blk.c_fc_b, blk.mlp_proj, blk.mlp_proj_b, self.cache.k[i], self.cache.v[i]]
+        if len(ptrs) != cfg.n_layer * LW_COUNT:
+            raise RuntimeError("megakernel: the layer pointer table does not match megakernel.cu's LW_COUNT")
+        self.ptrs = cp.asarray(np.array([a.data.ptr for a in ptrs], np.uint64))
+        self._keep = ptrs                       # the table holds raw addresses: keep the arrays alive
+        self.epoch = 0                          # steps run on these counters (v2 targets)
+        self.barriers = 0                       # v1: barrier arrivals so far (the counter's value)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.runtime.deviceSynchronize()     # the zeroed buffers exist before a launch on self.stream
+        self.last_timeline = None
+        self._rows = None                       # cache rows of the longest sequence after the queued steps
+        self.info: dict = {}
+
+    # ------------------------------------------------------------------ mode="auto"
+    @staticmethod
+    def preferred(model, batch: int, length: int, greedy: bool) -> bool:
+        """mode="auto": greedy decoding of 1..AUTO_MAX_BATCH sequences when the kernel fits this GPU."""
+        if not greedy or unsupported_reason(model.config, batch) or batch > AUTO_MAX_BATCH:
+            return False
+        try:
+            fn = get_kernel(SOURCE, KERNEL, defines(model.config, batch))
+            smem = smem_bytes(model.config, batch)
+            if smem > device_info()["shared_per_block_optin"]:
+                return False
+            allow_dynamic_smem(fn, smem, "megakernel")
+            return _resident_blocks_per_sm(fn, THREADS, smem) >= 1
+        except MegakernelUnavailable:
+            return False
+
+    # ------------------------------------------------------------------ the Decoder interface
+    def prefill(self, ids, lens, choose=None) -> np.ndarray:
+        """The prompts (B, T) right-padded, lens each prompt's length: the model's prefill fills the cache;
+        returns the first new token of each sequence."""
+        import cupy as cp
+        from step4_gpt2 import ops
+        if len(lens) != self.batch:
+            raise ValueError(f"lens: this decoder was built for batch {self.batch}, got {len(lens)} prompts")
+        if max(lens) > self.length:
+            raise ValueError(f"lens: prompts of up to {max(lens)} tokens need a cache of at least that many rows; "
+                             f"this decoder holds {self.length}")
+        self._rows = max(lens)
+        self.info = {"mode": self.mode, "version": self.version, "grid": self.grid,
+                     "steps_per_launch": self.steps_per_launch}
+        with self.stream:
+            logits = self.model.forward(ids, cache=self.cache, last=np.asarray(lens) - 1)
+            self.pos[...] = cp.asarray(np.asarray(lens, np.int32))
+            self.lens[...] = self.pos + 1
+            if choose is None:
+                ops.argmax(logits, self.tokens)
+            else:
+                self.tokens[...] = cp.asarray(choose(logits)).astype(cp.int32)
+            return self.tokens.get()
+
+    def decode(self, n_steps: int, choose=None):
+        """Each step's tokens, np.int32 (B,), as soon as they are read back."""
+        if (choose is None) != self.greedy:
+            raise ValueError(f"choose: this decoder was built for greedy={self.greedy}; "
+                             f"pass choose={'None' if self.greedy else 'a sampler'}")
+        if not isinstance(n_steps, (int, np.integer)) or n_steps < 0:
+            raise ValueError(f"n_steps: expected an integer >= 0, got {n_steps!r}")
+        if self._rows is None:
+            raise ValueError("decode: call prefill() first (it fills the cache and sets the positions)")
+        if self._rows + n_steps > self.length:
+            raise ValueError(f"n_steps: {n_steps} steps after {self._rows} cached rows need {self._rows + n_steps} "
+                             f"cache rows; this decoder holds {self.length}")
+        try:
+            yield from (self._pipelined(int(n_steps)) if self.greedy else self._sampled(int(n_steps), choose))
+        finally:
+            self.stream.synchronize()
+            self.check()
+
+    # ------------------------------------------------------------------ launching
+    def launch(self, nsteps: int = 1, out_tokens=None, stall_block: int = -1) -> None:
+        """Enqueue one launch of nsteps greedy steps on self.stream (no host sync). out_tokens: an int32
+        (nsteps, B) device array for every step's tokens, or None. stall_block >= 0: that block never
+        signals (the test of the timeout path)."""
+        import cupy as cp
+        if not isinstance(nsteps, (int, np.integer)) or nsteps < 1:
+            raise ValueError(f"nsteps: expected an integer >= 1, got {nsteps!r}")
+        if self._rows is None:
+            raise ValueError("launch: call prefill() first (it fills the cache and sets the positions)")
+        if self._rows + nsteps > self.length:     # the kernel would append past the cache
+            raise ValueError(f"nsteps: {nsteps} more steps after {self._rows} cached rows need {self._rows + nsteps} "
+                             f"cache rows; this decoder holds {self.length}")
+        self._rows += int(nsteps)
+        timeline = None
+        if self.timeline:
+            per_step = 5 * self.model.config.n_layer + 1
+            with self.stream:                   # zeroed on the stream the kernel then runs on
+                timeline = cp.zeros((self.grid, nsteps * per_step, 3), cp.uint64)
+            self.last_timeline = timeline
+        w = self.model
+        args = (self.ptrs, w.wte, w.wpe, w.ln_f[0], w.ln_f[1], self.tokens, self.pos, self.lens, self.work, self.sync,
+                self.amax, self.logits, out_tokens if out_tokens is not None else np.uint64(0), np.int32(self.length),
+                np.int32(self.nch), np.int32(nsteps), np.uint32(self.epoch % 2**32),
+                np.uint32(self.barriers % 2**32), np.int64(self.timeout_ns), np.int32(stall_block), self.err,
+                timeline if timeline is not None else np.uint64(0))
+        with self.stream:
+            self.fn((self.grid,), (self.threads,), args, shared_mem=self.smem)
+        self.epoch += nsteps
+        self.barriers += self.grid * (nsteps * (5 * self.model.config.n_layer + 1) - 1)
+
+    def check(self) -> None:
+        """Raise MegakernelTimeout if a launch reported a timeout (and reset the counters for the next run)."""
+        e = self.err.get()
+        if e[0] == 0:
+            return
+        self.reset()
+        stage = STAGES[e[2]] if 0 <= e[2] < len(STAGES) else f"#{e[2]}"
+        raise MegakernelTimeout(
+            f"megakernel: block {e[1]} waited more than {self.timeout_ns / 1e9:g} s at stage {stage!r} of layer "
+            f"{e[3]}, step {e[4]} of its launch (counter {e[6] & 0xffffffff} of {e[5] & 0xffffffff}): another block "
+            f"never signalled. Are all {self.grid} blocks resident (another kernel running concurrently?)")
+
+    def reset(self) -> None:
+        """Zero the counters and the error flag (after an error the counters' values mean nothing)."""
+        self.stream.synchronize()
+        self.sync.fill(0)
+        self.amax.fill(0)
+        self.err.fill(0)
+        self.epoch = self.barriers = 0
+        import cupy as cp
+        cp.cuda.runtime.deviceSynchronize()
+
+    def _pipelined(self, n_steps: int):
+        import cupy as cp
+        import cupyx
+        k, depth = self.steps_per_launch, self.pipeline_depth
+        ring = cupyx.empty_pinned((depth + 1, k, self.batch), np.int32)
+        errs = cupyx.empty_pinned((depth + 1, 8), np.int32)
+        dev = cp.empty((depth + 1, k, self.batch), cp.int32)
+        launched, pending, slot = 0, [], 0
+        while True:
+            while launched < n_steps and len(pending) < depth:
+                n = min(k, n_steps - launched)
+                with self.stream:
+                    self.launch(n, dev[slot])
+                    dev[slot, :n].get(stream=self.stream, out=ring[slot, :n], blocking=False)
+                    self.err.get(stream=self.stream, out=errs[slot], blocking=False)
+                    pending.append((self.stream.record(), slot, n))
+                slot = (slot + 1) % (depth + 1)
+                launched += n
+            if not pending:
+                return
+            event, s, n = pending.pop(0)
+            event.synchronize()
+            if errs[s, 0]:
+                self.stream.synchronize()
+                self.check()
+            for j in range(n):
+                yield ring[s, j].copy()
+
+    def _sampled(self, n_steps: int, choose):
+        import cupy as cp
+        for _ in range(n_steps):
+            with self.stream:
+                self.launch(1)                       # the kernel advances pos/lens; its argmax is replaced
+                self.tokens[...] = cp.asarray(choose(self.logits)).astype(cp.int32)
+                host = self.tokens.get()
+            self.check()
+            yield host
+
+    # ------------------------------------------------------------------ measurement
+    def timeline_ms(self):
+        """The last launch's stamps (timeline=True) as a NumPy (grid, stages, 3) array of milliseconds since
+        the earliest stamp: [start, inputs ready, end] of every stage of every block; NaN where not stamped."""
+        if self.last_timeline is None:
+            raise ValueError("timeline: build the decoder with timeline=True and launch it first")
+        t = self.last_timeline.get().astype(np.float64)
+        t[t == 0] = np.nan
+        return (t - np.nanmin(t)) / 1e6
+
+    def stage_names(self, nsteps: int = 1) -> list[str]:
+        """Names of the stages of nsteps steps, in timeline order ("L0 QKV", ..., "LM head")."""
+        names = []
+        for _ in range(nsteps):
+            for layer in range(self.model.config.n_layer):
+                names += [f"L{layer} {s}" for s in STAGES[:5]]
+            names.append(STAGES[5])
+        return names
+
+
+def stage_kind(j: int, n_layer: int) -> int:
+    """Index into STAGES of stage j of a timeline (5 per layer, then the LM head, per step)."""
+    j %= 5 * n_layer + 1
+    return 5 if j == 5 * n_layer else j % 5
+
+
+def breakdown(t_ms: np.ndarray, n_layer: int) -> dict:
+    """Where a step's time goes, from a (grid, stages, 3) timeline: per kind of stage, the mean over blocks of
+    time waiting for inputs (ready - start) and working (end - ready), in ms, and the step's span."""
+    wait = t_ms[:, :, 1] - t_ms[:, :, 0]
+    work = t_ms[:, :, 2] - t_ms[:, :, 1]
+    out = {}
+    kinds = [stage_kind(j, n_layer) for j in range(t_ms.shape[1])]
+    for i, name in enumerate(STAGES):
+        idx = [j for j, k in enumerate(kinds) if k == i]
+        out[name] = {"wait_ms": float(np.nansum(np.nanmean(wait[:, idx], axis=0))),
+                     "work_ms": float(np.nansum(np.nanmean(work[:, idx], axis=0)))}
+    out["span_ms"] = float(np.nanmax(t_ms) - np.nanmin(t_ms))
+    return out
+
+
+def plot_timeline(t_ms: np.ndarray, n_layer: int, title: str = "", blocks=None, ax=None):
+    """A Gantt chart of a timeline (grid, stages, 3): one row per block, a bar per stage coloured by its
+    kind, hatched grey while the block waits for its inputs. Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 4))
+    blocks = range(t_ms.shape[0]) if blocks is None else blocks
+    colors = plt.get_cmap("tab10").colors
+    for row, b in enumerate(blocks):
+        for j in range(t_ms.shape[1]):
+            s, r, e = t_ms[b, j]
+            if np.isnan(s) or np.isnan(e):
+                continue
+            r = s if np.isnan(r) else r
+            kind = stage_kind(j, n_layer)
+            ax.barh(row, r - s, left=s, color="0.85", height=0.9)
+            ax.barh(row, e - r, left=r, color=colors[kind], height=0.9)
+    ax.set_xlabel("ms since the first stamp")
+    ax.set_ylabel("block")
+    ax.legend(handles=[Patch(color=colors[i], label=n) for i, n in enumerate(STAGES)] + [Patch(color="0.85", label="waiting")],
+              ncol=7, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def _compile_one(args) -> str:
+    cfg, batch, version, timeline, threads, unroll = args
+    get_kernel(SOURCE, KERNEL, defines(cfg, batch, version, timeline, threads, unroll))
+    return f"NB={batch} v{version} C={cfg.n_embd} L={cfg.n_layer}"
+
+
+def compile_variants(variants, processes: int | None = None) -> list[str]:
+    """Compile several specialisations of the kernel at once, in separate processes (NVRTC runs one
+    compilation per process at a time); CuPy's on-disk cache then serves them to every later process.
+    variants: tuples (config, batch, version[, timeline[, threads[, unroll]]])."""
+    import multiprocessing as mp
+    jobs = [tuple(v) + (False, THREADS, UNROLL)[len(v) - 3:] for v in variants]
+    if not jobs:
+        return []
+    with mp.get_context("spawn").Pool(processes or min(len(jobs), mp.cpu_count())) as pool:
+        return pool.map(_compile_one, jobs)
+
+
+def generate_megakernel(model, prompts, max_new_tokens: int = 64, **options):
+    """generate() with mode="megakernel" (options go to MegakernelDecoder)."""
+    from step4_gpt2.generate import generate
+    return generate(model, prompts, max_new_tokens, mode="megakernel", **options)
+
+
+__all__ = ["MegakernelDecoder", "MegakernelUnavailable", "MegakernelTimeout", "unsupported_reason", "defines",
+           "smem_bytes", "breakdown", "plot_timeline", "generate_megakernel", "compile_variants", "STAGES"]

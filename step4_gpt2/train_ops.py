@@ -1,0 +1,349 @@
+"""Checked Python wrappers of train_gpt2.cu: the forward and backward kernels of a GPT-2 training step.
+
+Every function takes CuPy float32 arrays (token ids int32), checks them with common.expect_array (the error
+names the argument), and writes into `out=`-style buffers when given, so a training step allocates nothing.
+The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from common import allow_dynamic_smem, expect_array, expect_choice, get_kernel, launch_grid, out_array
+
+CU = Path(__file__).resolve().parent / "train_gpt2.cu"
+HEAD_DIMS = (32, 64)      # HEAD_DIM values train_gpt2.cu supports
+ATT_ROWS, ATT_TILE = 64, 32           # as in train_gpt2.cu (query rows per block: 2 threads each)
+COLS, ROWS = 32, 8                    # column kernels: block (COLS, ROWS)
+CHUNK_ROWS = 256                      # rows per partial in the column sums
+LN_WARPS, LN_ROWS_PER_BLOCK = 4, 32   # layernorm_backward: 4 warps per block, 32 rows per block (8 per warp)
+BLOCK = 256
+EMBEDDING_VERSIONS = (1, 2)           # 1: atomicAdd scatter; 2: sorted, deterministic
+ATTENTION_BACKWARD_VERSIONS = (1, 2)  # 1: materialises P (cuBLAS); 2: flash-style, recomputes P from lse
+
+
+def _k(name: str, head_dim: int = 64):
+    return get_kernel(CU, name, {"HEAD_DIM": head_dim})
+
+
+def _grid(n: int) -> tuple:
+    return launch_grid(n, BLOCK, per_sm=16)
+
+
+def _i32(a, name: str, ndim: int):
+    return expect_array(a, name, dtype=np.int32, ndim=ndim)
+
+
+# ---------------------------------------------------------------------------------------- embeddings
+def encoder_forward(idx, wte, wpe, out=None):
+    """x (B*T, C) = wte[idx] + wpe[:T] for idx (B, T) int32 (ids are checked by the model, once per batch;
+    an id out of range gives NaN here, never an out-of-bounds read)."""
+    idx = _i32(idx, "idx", 2)
+    wte = expect_array(wte, "wte", dtype=np.float32, ndim=2)
+    V, C = wte.shape
+    B, T = idx.shape
+    wpe = expect_array(wpe, "wpe", dtype=np.float32, shape=(None, C))
+    if T > wpe.shape[0]:
+        raise ValueError(f"idx: T={T} positions exceed wpe's {wpe.shape[0]} rows (block_size)")
+    out = out_array(out, (B * T, C))
+    if out.size:
+        _k("encoder_forward")(_grid(out.size), (BLOCK,), (idx, wte, wpe, out, np.int64(out.size), np.int32(T),
+                                                          np.int32(C), np.int32(V)))
+    return out
+
+
+def encoder_backward(dx, idx, dwte, dwpe, version: int = 2, accumulate_wte: bool = True):
+    """dwte += scatter of dx's rows by token (dwte is overwritten instead with accumulate_wte=False);
+    dwpe[:T] = sum over the batch of dx, dwpe[T:] = 0. version 1: atomics (run-to-run bit differences when a
+    token repeats); version 2: sorted by token, a fixed order of additions (deterministic)."""
+    import cupy as cp
+    expect_choice(version, "version", EMBEDDING_VERSIONS)
+    idx = _i32(idx, "idx", 2)
+    B, T = idx.shape
+    dwte = expect_array(dwte, "dwte", dtype=np.float32, ndim=2)
+    V, C = dwte.shape
+    dx = expect_array(dx, "dx", dtype=np.float32, shape=(B * T, C))
+    dwpe = expect_array(dwpe, "dwpe", dtype=np.float32, shape=(None, C))
+    if not accumulate_wte:
+        dwte.fill(0)
+    if dx.size:
+        if version == 1:
+            _k("encoder_backward_v1")(_grid(dx.size), (BLOCK,), (dx, idx, dwte, np.int64(dx.size), np.int32(C), np.int32(V)))
+        else:
+            flat = idx.ravel()
+            order = cp.argsort(flat).astype(cp.int32)          # a radix sort: stable, so a fixed order
+            start = cp.searchsorted(flat[order], cp.arange(V + 1, dtype=cp.int32)).astype(cp.int32)
+            _k("encoder_backward_v2")((V, -(-C // COLS)), (COLS, ROWS), (dx, order, start, dwte, np.int32(C)))
+    dwpe[T:].fill(0)
+    column_sum(dx.reshape(B, T * C), out=dwpe[:T].reshape(T * C))
+    return dwte, dwpe
+
+
+# ---------------------------------------------------------------------------------------- column sums
+def _finish(partial, chunks: int, cols: int, out, out2=None, split: int | None = None, accumulate=False):
+    split = cols if split is None else split
+    _k("column_finish")((-(-cols // COLS),), (COLS, 32),
+                        (partial, out, out if out2 is None else out2, np.int32(chunks), np.int32(cols),
+                         np.int32(split), np.int32(bool(accumulate))))
+
+
+def column_sum(a, out=None, accumulate: bool = False):
+    """out (cols,) = column sums of a (rows, cols): a bias gradient. Two launches, a fixed order of additions."""
+    import cupy as cp
+    a = expect_array(a, "a", dtype=np.float32, ndim=2)
+    rows, cols = a.shape
+    out = out_array(out, (cols,))
+    if cols == 0:
+        return out
+    chunks = max(1, -(-rows // CHUNK_ROWS))
+    partial = cp.empty((chunks, cols), cp.float32)
+    if rows:
+        _k("column_partial")((-(-cols // COLS), chunks), (COLS, ROWS),
+                             (a, partial, np.int32(rows), np.int32(cols), np.int32(CHUNK_ROWS)))
+    else:
+        partial.fill(0)
+    _finish(partial, chunks, cols, out, accumulate=accumulate)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- GELU
+def gelu_bias_forward(h, bias, out=None):
+    """out = gelu(h + bias), one pass; h (the c_fc GEMM's output) is left as it is for the backward pass."""
+    h = expect_array(h, "h", dtype=np.float32, ndim=2)
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(h.shape[1],))
+    out = out_array(out, h.shape)
+    if h.size:
+        _k("gelu_bias_forward")(_grid(h.size), (BLOCK,), (h, bias, out, np.int64(h.size), np.int32(h.shape[1])))
+    return out
+
+
+def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None):
+    """dpre = dout * gelu'(h + bias) (dpre may be dout itself) and dbias = its column sums: one pass + a finish."""
+    import cupy as cp
+    dout = expect_array(dout, "dout", dtype=np.float32, ndim=2)
+    rows, cols = dout.shape
+    h = expect_array(h, "h", dtype=np.float32, shape=(rows, cols))
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(cols,))
+    dpre = out_array(dpre, (rows, cols), name="dpre")
+    dbias = out_array(dbias, (cols,), name="dbias")
+    chunks = max(1, -(-rows // CHUNK_ROWS))
+    partial = cp.empty((chunks, cols), cp.float32)
+    if not rows:
+        partial.fill(0)
+    if dout.size:
+        _k("gelu_backward_partial")((-(-cols // COLS), chunks), (COLS, ROWS),
+                                    (dout, h, bias, dpre, partial, np.int32(rows), np.int32(cols), np.int32(CHUNK_ROWS)))
+    if cols:
+        _finish(partial, chunks, cols, dbias)
+    return dpre, dbias
+
+
+# ---------------------------------------------------------------------------------------- LayerNorm
+def layernorm_forward(x, weight, bias, eps: float = 1e-5, y=None, ybias=None, out=None, resid=None, mean=None,
+                      rstd=None):
+    """(out, mean, rstd) = LayerNorm of x (N, C), saving mean and rstd (N,). With y (N, C): the residual is
+    fused in, resid = x + y (+ ybias) is written too and normalised; returns (resid, out, mean, rstd)."""
+    x = expect_array(x, "x", dtype=np.float32, ndim=2)
+    N, C = x.shape
+    weight = expect_array(weight, "weight", dtype=np.float32, shape=(C,))
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(C,))
+    if y is not None:
+        y = expect_array(y, "y", dtype=np.float32, shape=(N, C))
+        resid = out_array(resid, (N, C), name="resid")
+        if ybias is not None:
+            ybias = expect_array(ybias, "ybias", dtype=np.float32, shape=(C,))
+    out = out_array(out, (N, C))
+    mean, rstd = out_array(mean, (N,), name="mean"), out_array(rstd, (N,), name="rstd")
+    if N:
+        nul = np.uint64(0)
+        _k("layernorm_forward")(launch_grid(N, BLOCK // 32), (BLOCK,),
+                                (x, nul if y is None else y, nul if ybias is None else ybias,
+                                 nul if y is None else resid, weight, bias, out, mean, rstd, np.int32(N), np.int32(C),
+                                 np.float32(eps)))
+    return (out, mean, rstd) if y is None else (resid, out, mean, rstd)
+
+
+def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, accumulate: bool = False):
+    """dx (= or += with accumulate: the residual stream's gradient), dweight, dbias in one kernel + a finish."""
+    import cupy as cp
+    dy = expect_array(dy, "dy", dtype=np.float32, ndim=2)
+    N, C = dy.shape
+    x = expect_array(x, "x", dtype=np.float32, shape=(N, C))
+    weight = expect_array(weight, "weight", dtype=np.float32, shape=(C,))
+    mean = expect_array(mean, "mean", dtype=np.float32, shape=(N,))
+    rstd = expect_array(rstd, "rstd", dtype=np.float32, shape=(N,))
+    dx = out_array(dx, (N, C), name="dx")
+    dweight, dbias = out_array(dweight, (C,), name="dweight"), out_array(dbias, (C,), name="dbias")
+    blocks = max(1, -(-N // LN_ROWS_PER_BLOCK))
+    partial = cp.empty((blocks, 2 * C), cp.float32)
+    if not N:
+        partial.fill(0)
+    if N and C:
+        kernel = _k("layernorm_backward")
+        smem = LN_WARPS * 2 * C * 4
+        allow_dynamic_smem(kernel, smem, f"layernorm_backward with C={C}")
+        kernel((blocks,), (LN_WARPS * 32,), (dy, x, weight, mean, rstd, dx, partial, np.int32(N), np.int32(C),
+                                             np.int32(LN_ROWS_PER_BLOCK), np.int32(bool(accumulate))),
+               shared_mem=smem)
+    if C:
+        _finish(partial, blocks, 2 * C, dweight, dbias, split=C)
+    return dx, dweight, dbias
+
+
+# ---------------------------------------------------------------------------------------- attention
+def _qkv_shape(qkv, n_head: int):
+    qkv = expect_array(qkv, "qkv", dtype=np.float32, ndim=3)
+    B, T, C3 = qkv.shape
+    if C3 % 3 or (C3 // 3) % n_head:
+        raise ValueError(f"qkv: last dimension {C3} must be 3 * C with C a multiple of n_head={n_head}")
+    C = C3 // 3
+    D = C // n_head
+    if D not in HEAD_DIMS:
+        raise ValueError(f"n_head: head_dim = C / n_head = {D}; train_gpt2.cu supports {HEAD_DIMS}")
+    return qkv, B, T, C, D
+
+
+def attention_forward(qkv, bias, n_head: int, out=None, lse=None):
+    """Causal attention on GPT-2's fused qkv (B, T, 3C) (+ bias (3C,), added while loading) ->
+    (out (B, T, C), lse (B, H, T)): flash-style, the T x T scores never leave the chip."""
+    qkv, B, T, C, D = _qkv_shape(qkv, n_head)
+    if bias is not None:
+        bias = expect_array(bias, "bias", dtype=np.float32, shape=(3 * C,))
+    out = out_array(out, (B, T, C))
+    lse = out_array(lse, (B, n_head, T), name="lse")
+    if out.size:
+        _k("attention_forward", D)((-(-T // ATT_ROWS), B * n_head), (2 * ATT_ROWS,),
+                                   (qkv, np.uint64(0) if bias is None else bias, out, lse, np.int32(T),
+                                    np.int32(n_head), np.float32(1.0 / math.sqrt(D))))
+    return out, lse
+
+
+def attention_delta(dout, out, n_head: int, delta=None):
+    """delta (B, H, T) = rowwise dO . O per head: the softmax backward's row term."""
+    dout = expect_array(dout, "dout", dtype=np.float32, ndim=3)
+    B, T, C = dout.shape
+    out = expect_array(out, "out", dtype=np.float32, shape=(B, T, C))
+    delta = out_array(delta, (B, n_head, T), name="delta")
+    rows = B * T * n_head
+    if rows:
+        _k("attention_delta", C // n_head)(launch_grid(rows * 32, BLOCK), (BLOCK,),
+                                           (dout, out, delta, np.int32(T), np.int32(n_head), np.int64(rows)))
+    return delta
+
+
+def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, version: int = 2):
+    """dqkv (B, T, 3C) of causal attention, from dout (B, T, C) and the forward's out and lse. The qkv bias
+    gradient is column_sum(dqkv). version 1 writes the T x T probabilities (and dP) to memory and uses
+    cuBLAS batched GEMMs; version 2 recomputes them tile by tile from lse and never writes a T x T matrix."""
+    import cupy as cp
+    expect_choice(version, "version", ATTENTION_BACKWARD_VERSIONS)
+    qkv, B, T, C, D = _qkv_shape(qkv, n_head)
+    H = n_head
+    dout = expect_array(dout, "dout", dtype=np.float32, shape=(B, T, C))
+    out = expect_array(out, "out", dtype=np.float32, shape=(B, T, C))
+    lse = expect_array(lse, "lse", dtype=np.float32, shape=(B, H, T))
+    if bias is not None:
+        bias = expect_array(bias, "bias", dtype=np.float32, shape=(3 * C,))
+    dqkv = out_array(dqkv, (B, T, 3 * C), name="dqkv")
+    if not dqkv.size:
+        return dqkv
+    delta = attention_delta(dout, out, H)
+    scale = 1.0 / math.sqrt(D)
+    if version == 2:
+        args = (qkv, np.uint64(0) if bias is None else bias, dout, lse, delta, dqkv, np.int32(T), np.int32(H),
+                np.float32(scale))
+        grid = (-(-T // ATT_ROWS), B * H)
+        _k("attention_backward_dkv", D)(grid, (2 * ATT_ROWS,), args)
+        _k("attention_backward_dq", D)(grid, (2 * ATT_ROWS,), args)
+        return dqkv
+    x = qkv if bias is None else qkv + bias
+    q, k, v = (cp.ascontiguousarray(x[..., j * C:(j + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3))
+               for j in range(3))
+    do = cp.ascontiguousarray(dout.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+    p = cp.matmul(q, k.transpose(0, 1, 3, 2))                        # (B, H, T, T): the scores, in DRAM
+    n = p.size
+    _k("attention_probs", D)(_grid(n), (BLOCK,), (p, lse, np.int32(T), np.int64(n), np.float32(scale)))
+    dv = cp.matmul(p.transpose(0, 1, 3, 2), do)
+    dp = cp.matmul(do, v.transpose(0, 1, 3, 2))
+    _k("attention_dscores", D)(_grid(n), (BLOCK,), (p, dp, delta, np.int32(T), np.int64(n), np.float32(scale)))
+    dq = cp.matmul(dp, k)
+    dk = cp.matmul(dp.transpose(0, 1, 3, 2), q)
+    view = dqkv.reshape(B, T, 3, H, D)
+    for j, g in enumerate((dq, dk, dv)):
+        view[:, :, j] = g.transpose(0, 2, 1, 3)
+    return dqkv
+
+
+# ---------------------------------------------------------------------------------------- matmuls
+def weight_splits(N: int, n_in: int, n_out: int) -> int:
+    """A split count for weight_grad(splits=None): enough 128 x 128 output tiles for two per SM, each chunk at
+    least 256 rows, N divisible by the count (a fixed function of the shape: deterministic)."""
+    from common import device_info
+    tiles, target, S = -(-n_in // 128) * -(-n_out // 128), 2 * device_info()["multiprocessors"], 1
+    while tiles * S < target and N % (2 * S) == 0 and N // (2 * S) >= 256:
+        S *= 2
+    return S
+
+
+def weight_grad(x, dy, out=None, splits: int | None = 1):
+    """dW = x^T dy for y = x W: x (N, n_in), dy (N, n_out) -> (n_in, n_out), through cuBLAS (a transposed
+    view: no copy).
+
+    The reduction runs over the N = B*T tokens and the output is small (C x 4C at most), which looks like too
+    few output tiles to fill the GPU. `splits` > 1 (None: weight_splits' choice) splits the rows by hand
+    ("split-K"): one strided-batched GEMM makes `splits` partial products, a sum adds them in a fixed order.
+    benchmarks_train.py measures both: cuBLAS's own kernel choice for the single GEMM is the faster, so it is
+    the default."""
+    import cupy as cp
+    x = expect_array(x, "x", dtype=np.float32, ndim=2)
+    N, n_in = x.shape
+    dy = expect_array(dy, "dy", dtype=np.float32, shape=(N, None))
+    n_out = dy.shape[1]
+    out = out_array(out, (n_in, n_out))
+    S = weight_splits(N, n_in, n_out) if splits is None else splits
+    if isinstance(S, bool) or not isinstance(S, (int, np.integer)) or S < 1 or N % S:
+        raise ValueError(f"splits: expected a positive divisor of N={N} (or None), got {splits!r}")
+    if S == 1:
+        return cp.matmul(x.T, dy, out=out)
+    n = N // S
+    part = cp.matmul(x.reshape(S, n, n_in).transpose(0, 2, 1), dy.reshape(S, n, n_out))
+    return cp.sum(part, axis=0, out=out)
+
+
+def matmul_backward(dy, x, weight, dx=None, dweight=None, dbias=None):
+    """y = x @ W + b (Conv1D layout, W (in, out)): dx = dy W^T (cuBLAS, a transposed view, no copy),
+    dW = weight_grad(x, dy), db = column_sum(dy) (skipped when dbias is False)."""
+    import cupy as cp
+    dy = expect_array(dy, "dy", dtype=np.float32, ndim=2)
+    N, n_out = dy.shape
+    weight = expect_array(weight, "weight", dtype=np.float32, shape=(None, n_out))
+    x = expect_array(x, "x", dtype=np.float32, shape=(N, weight.shape[0]))
+    dx = cp.matmul(dy, weight.T, out=out_array(dx, x.shape, name="dx"))
+    dweight = weight_grad(x, dy, out=dweight)
+    if dbias is not False:
+        dbias = column_sum(dy, out=dbias)
+    return dx, dweight, dbias
+
+
+# ---------------------------------------------------------------------------------------- classifier
+def classifier(logits, targets, losses=None, scale: float | None = None, grad: bool = True):
+    """Step 3's fused classifier with no bias: per-row losses, and (grad=True) logits overwritten in place
+    with dlogits = (softmax - onehot) * scale (default 1/N). One block per row; probabilities never stored."""
+    from step3_fused.training import classifier as fused
+    logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)
+    V = logits.shape[1]
+    zero = _zeros(V)
+    return fused(logits, zero, targets, mode="grad" if grad else "loss", scale=scale, losses=losses, check=False)
+
+
+_ZEROS: dict = {}
+
+
+def _zeros(n: int):
+    import cupy as cp
+    key = (n, cp.cuda.Device().id)
+    if key not in _ZEROS:
+        _ZEROS[key] = cp.zeros(n, cp.float32)
+    return _ZEROS[key]

@@ -1,0 +1,525 @@
+"""Step 4b (training GPT-2): on the CPU the float64 references against torch autograd, AdamW, clipping, the
+schedule, the checkpoint layout in transformers and the named errors; on the GPU every kernel of
+train_gpt2.cu against the references (awkward shapes, NaN-poisoned outputs), whole-model gradients and 20
+AdamW steps against PyTorch (fp32, TF32 off), determinism and a bit-identical resume."""
+import math
+
+import numpy as np
+import pytest
+
+from common import assert_close, poison
+from common.reference import train_gpt2 as R
+from step4_gpt2.weights import GPTConfig
+from step4_gpt2 import train as TR
+
+try:
+    import torch
+except ImportError:
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (pip install torch)")
+gpu = pytest.mark.gpu
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=37, block_size=16)
+
+
+def noisy_params(cfg, seed=0):
+    """init_params with random biases and LayerNorm parameters, so a kernel that drops one is caught."""
+    rng = np.random.default_rng(seed + 100)
+    P = TR.init_params(cfg, seed)
+    for k in P:
+        if k.endswith("bias") or ".ln_" in k or k.startswith("ln_"):
+            P[k] = (P[k] + 0.1 * rng.standard_normal(P[k].shape)).astype(np.float32)
+    return P
+
+
+def batch(cfg, B, T, seed=0):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    idx[0, :3] = idx[0, 0]                      # a repeated token: the embedding scatter must add them
+    return idx, rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+
+
+# ============================================================================ CPU: the references
+@needs_torch
+@pytest.mark.parametrize("cfg,B,T", [(TINY, 3, 11), (GPTConfig(n_layer=1, n_head=3, n_embd=48, vocab_size=19, block_size=9), 2, 9)])
+def test_reference_model_matches_torch_autograd(cfg, B, T):
+    from step4_gpt2 import train_torch as TT
+    P = noisy_params(cfg)
+    idx, tgt = batch(cfg, B, T)
+    loss, G = R.forward_backward(P, idx, tgt, cfg.n_head)
+    m = TT.build(cfg, device="cpu", dtype=torch.float64).load(P)
+    tl = m(torch.as_tensor(idx).long(), torch.as_tensor(tgt).long())
+    tl.backward()
+    assert abs(loss - tl.item()) < 1e-12
+    TG = m.grads()
+    assert set(G) == set(TG)
+    for k in G:
+        assert TT.max_rel_error(G[k], TG[k]) < 1e-10, k
+
+
+@needs_torch
+def test_reference_layers_match_torch_autograd():
+    rng = np.random.default_rng(1)
+    t = lambda a: torch.tensor(a, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    # LayerNorm
+    x, w, b, dy = rng.standard_normal((7, 13)), rng.standard_normal(13), rng.standard_normal(13), rng.standard_normal((7, 13))
+    tx, tw, tb = t(x), t(w), t(b)
+    torch.nn.functional.layer_norm(tx, (13,), tw, tb, 1e-5).backward(torch.tensor(dy))
+    y, mean, rstd = R.layernorm_forward(x, w, b)
+    dx, dw, db = R.layernorm_backward(dy, x, w, mean, rstd)
+    for ours, ref in ((dx, tx.grad), (dw, tw.grad), (db, tb.grad)):
+        assert_close(ours, ref.numpy(), rtol=1e-12)
+    # attention on the fused qkv buffer, with bias
+    B, T, H, D = 2, 5, 3, 4
+    qkv, bias, do = rng.standard_normal((B, T, 3 * H * D)), rng.standard_normal(3 * H * D), rng.standard_normal((B, T, H * D))
+    tq, tbias = t(qkv), t(bias)
+    q, k, v = ((tq + tbias)[..., j * H * D:(j + 1) * H * D].reshape(B, T, H, D).transpose(1, 2) for j in range(3))
+    to = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H * D)
+    to.backward(torch.tensor(do))
+    out, lse = R.attention_forward(qkv, bias, H)
+    assert_close(out, to.detach().numpy(), rtol=1e-12)
+    s = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    assert_close(lse, torch.logsumexp(s, -1).detach().numpy(), rtol=1e-12)
+    dqkv = R.attention_backward(do, qkv, bias, H)
+    assert_close(dqkv, tq.grad.numpy(), rtol=1e-12)
+    assert_close(R.bias_grad(dqkv), tbias.grad.numpy(), rtol=1e-12)
+    # GELU with bias, classifier, embeddings
+    h, gb, dout = rng.standard_normal((6, 5)), rng.standard_normal(5), rng.standard_normal((6, 5))
+    th, tgb = t(h), t(gb)
+    torch.nn.functional.gelu(th + tgb, approximate="tanh").backward(torch.tensor(dout))
+    dpre, dgb = R.gelu_bias_backward(dout, R.gelu_bias_forward(h, gb)[0])
+    assert_close(dpre, th.grad.numpy(), rtol=1e-12)
+    assert_close(dgb, tgb.grad.numpy(), rtol=1e-12)
+    z, tg = rng.standard_normal((9, 11)), rng.integers(0, 11, 9)
+    tz = t(z)
+    torch.nn.functional.cross_entropy(tz, torch.tensor(tg), reduction="mean").backward()
+    losses, dz = R.classifier(z, tg)
+    assert_close(losses, torch.nn.functional.cross_entropy(torch.tensor(z), torch.tensor(tg), reduction="none").numpy(), rtol=1e-12)
+    assert_close(dz, tz.grad.numpy(), rtol=1e-12)
+    idx = np.array([[1, 1, 4], [4, 0, 1]])
+    dxe = rng.standard_normal((2, 3, 5))
+    dwte, dwpe = R.encoder_backward(dxe, idx, 6, 4)
+    twte, twpe = t(rng.standard_normal((6, 5))), t(rng.standard_normal((4, 5)))
+    (twte[torch.tensor(idx)] + twpe[:3]).backward(torch.tensor(dxe))
+    assert_close(dwte, twte.grad.numpy(), rtol=1e-12)
+    assert_close(dwpe, twpe.grad.numpy(), rtol=1e-12)
+
+
+@needs_torch
+def test_reference_adamw_clip_schedule_match_torch():
+    cfg = TR.TrainConfig(lr=3e-3, min_lr=3e-4, warmup=3, max_steps=8, grad_clip=0.5)
+    P = noisy_params(TINY)
+    tp = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in P.items()}
+    decay = [tp[k] for k in P if R.is_decayed(k)]
+    rest = [tp[k] for k in P if not R.is_decayed(k)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    state, ours = R.adamw_init(P), {k: v.astype(np.float64) for k, v in P.items()}
+    rng = np.random.default_rng(2)
+    for step in range(10):
+        grads = {k: rng.standard_normal(v.shape) * (0.1 if step % 2 else 3.0) for k, v in P.items()}
+        clipped, norm = R.clip_grad_norm(grads, cfg.grad_clip)
+        for k in P:
+            tp[k].grad = torch.tensor(grads[k])
+        tnorm = torch.nn.utils.clip_grad_norm_(list(tp.values()), cfg.grad_clip)
+        assert abs(norm - tnorm.item()) < 1e-9 * norm
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr_at(step)
+        opt.step()
+        ours, state = R.adamw_step(ours, clipped, state, cfg.lr_at(step), (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+        for k in P:
+            assert_close(ours[k], tp[k].detach().numpy(), rtol=1e-12, name=k)
+    lrs = [cfg.lr_at(s) for s in range(10)]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[2] == pytest.approx(3e-3)    # linear warm-up
+    assert lrs[3] == pytest.approx(3e-3) and lrs[8] == lrs[9] == pytest.approx(3e-4)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))                       # then monotone decay
+
+
+def test_decay_rule():
+    assert R.is_decayed("h.0.attn.c_attn.weight") and R.is_decayed("wte.weight")
+    assert not R.is_decayed("h.0.ln_1.weight") and not R.is_decayed("ln_f.weight")
+    assert not R.is_decayed("h.3.mlp.c_fc.bias")
+
+
+@pytest.mark.parametrize("lr", [0, -1e-3, float("nan"), float("inf"), "1e-3", None, True])
+def test_learning_rate_must_be_positive_number(lr):
+    with pytest.raises(ValueError, match="lr: the learning rate must be a positive number"):
+        TR.TrainConfig(lr=lr)
+
+
+def test_data_batches_are_deterministic_and_shifted():
+    from step4_gpt2.tokenizer import CharTokenizer
+    tok = CharTokenizer(list("abcdefgh"))
+    d = TR.Data(np.arange(100) % 8, np.arange(50) % 8, tok)
+    x, y = d.batch("train", 4, 10, step=3, seed=1)
+    x2, y2 = d.batch("train", 4, 10, step=3, seed=1)
+    assert x.shape == y.shape == (4, 10) and x.dtype == np.int32
+    assert np.array_equal(x, x2) and np.array_equal(y, y2)
+    assert np.array_equal(x[:, 1:], y[:, :-1]) and np.array_equal((x + 1) % 8, y)
+    assert not np.array_equal(x, d.batch("train", 4, 10, step=4, seed=1)[0])
+    with pytest.raises(ValueError, match="split"):
+        d.batch("test", 4, 10, step=0)
+    with pytest.raises(ValueError, match="T: 60 tokens"):
+        d.batch("val", 4, 60, step=0)
+
+
+def test_shakespeare_split_by_play():
+    try:
+        d = TR.Data.shakespeare("char")
+    except ModuleNotFoundError as e:
+        pytest.skip(f"the Shakespeare corpus is not installed: {e}")
+    assert 60 <= d.vocab_size <= 100
+    assert len(d.train) > 5 * len(d.val) > 0
+    text = d.tokenizer.decode(d.train[:2000].tolist())
+    assert "the" in text
+
+
+@needs_torch
+def test_checkpoint_layout_loads_in_transformers(tmp_path):
+    """The HF layout written by weights.save (which Trainer.save uses) is a GPT2LMHeadModel; its logits
+    equal the float64 reference of the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from step4_gpt2 import weights
+    P = noisy_params(TINY, seed=4)
+    weights.save(P, TINY, tmp_path)
+    m = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).double().eval()
+    idx, _ = batch(TINY, 2, 9)
+    with torch.no_grad():
+        logits = m(torch.as_tensor(idx).long()).logits.numpy()
+    from common.reference import gpt2
+    assert_close(logits, gpt2.forward(P, idx, TINY.n_layer, TINY.n_head), rtol=1e-10)
+
+
+def test_train_gpt2_cu_compiles_for_head_dim_32():
+    from common.kernels import compile_offline, supported_archs
+    arch = max(a for a in supported_archs() if a <= 90)
+    report = compile_offline("step4_gpt2/train_gpt2.cu", arch, defines={"HEAD_DIM": 32})
+    assert not report.warnings and "attention_backward_dq" in report.kernels
+
+
+# ============================================================================ GPU: kernels vs the references
+def cuda(a):
+    import cupy as cp
+    return cp.asarray(a)
+
+
+def rnd(*shape, seed=0, scale=1.0):
+    return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+@gpu
+@pytest.mark.parametrize("B,T,C,V", [(1, 1, 4, 3), (3, 7, 37, 11), (2, 130, 384, 65)])
+@pytest.mark.parametrize("version", [1, 2])
+def test_encoder_forward_backward(B, T, C, V, version):
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    rng = np.random.default_rng(B * T)
+    idx = rng.integers(0, V, (B, T)).astype(np.int32)
+    idx.ravel()[: min(3, idx.size)] = idx.ravel()[0]
+    wte, wpe, dx = rnd(V, C, seed=1), rnd(T + 3, C, seed=2), rnd(B * T, C, seed=3)
+    out = poison(cp.empty((B * T, C), cp.float32))
+    ops.encoder_forward(cuda(idx), cuda(wte), cuda(wpe), out=out)
+    assert_close(out, R.encoder_forward(wte, wpe, idx).reshape(B * T, C), rtol=1e-7)
+    start = rnd(V, C, seed=4)                             # the LM head's share, already in dwte
+    dwte, dwpe = cuda(start), poison(cp.empty((T + 3, C), cp.float32))
+    ops.encoder_backward(cuda(dx), cuda(idx), dwte, dwpe, version=version)
+    rw, rp = R.encoder_backward(dx, idx, V, T + 3)
+    assert_close(dwte, rw + start, rtol=1e-6)
+    assert_close(dwpe, rp, rtol=1e-6)
+    if version == 2:                                      # deterministic: bit for bit the same again
+        again = cuda(start)
+        ops.encoder_backward(cuda(dx), cuda(idx), again, dwpe, version=2)
+        assert cp.array_equal(again, dwte)
+
+
+@gpu
+@pytest.mark.parametrize("N,C", [(1, 4), (37, 45), (77, 384), (300, 1600)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_layernorm_forward_backward(N, C, fused):
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    x, y, yb, w, b, dy = rnd(N, C, seed=1), rnd(N, C, seed=2), rnd(C, seed=3), rnd(C, seed=4), rnd(C, seed=5), rnd(N, C, seed=6)
+    out, mean, rstd = (poison(cp.empty(s, cp.float32)) for s in ((N, C), (N,), (N,)))
+    if fused:
+        resid = poison(cp.empty((N, C), cp.float32))
+        ops.layernorm_forward(cuda(x), cuda(w), cuda(b), y=cuda(y), ybias=cuda(yb), resid=resid, out=out, mean=mean, rstd=rstd)
+        r = x.astype(np.float64) + y + yb
+        assert_close(resid, r, rtol=1e-7)
+    else:
+        ops.layernorm_forward(cuda(x), cuda(w), cuda(b), out=out, mean=mean, rstd=rstd)
+        r = x
+    ry, rm, rr = R.layernorm_forward(r, w, b)
+    assert_close(out, ry, rtol=1e-6)
+    assert_close(mean, rm, rtol=1e-6, atol=1e-6)
+    assert_close(rstd, rr, rtol=1e-6)
+    base = rnd(N, C, seed=7)
+    for accumulate in (False, True):
+        dx = cuda(base) if accumulate else poison(cp.empty((N, C), cp.float32))
+        dw, db = poison(cp.empty(C, cp.float32)), poison(cp.empty(C, cp.float32))
+        ops.layernorm_backward(cuda(dy), cuda(r.astype(np.float32)), cuda(w), mean, rstd, dx=dx, dweight=dw, dbias=db,
+                               accumulate=accumulate)
+        rdx, rdw, rdb = R.layernorm_backward(dy, r.astype(np.float32), w, rm, rr)
+        assert_close(dx, rdx + (base if accumulate else 0), rtol=1e-5)
+        assert_close(dw, rdw, rtol=1e-5)
+        assert_close(db, rdb, rtol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("rows,cols", [(1, 1), (300, 37), (513, 1536)])
+def test_gelu_bias_and_column_sums(rows, cols):
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    h, bias, dout = rnd(rows, cols, seed=1, scale=2), rnd(cols, seed=2), rnd(rows, cols, seed=3)
+    hg, out = cuda(h), poison(cp.empty((rows, cols), cp.float32))
+    ops.gelu_bias_forward(hg, cuda(bias), out=out)
+    rpre, rout = R.gelu_bias_forward(h, bias)
+    assert cp.array_equal(hg, cuda(h))                       # h is left for the backward pass
+    assert_close(out, rout, rtol=1e-6)
+    dpre, db = poison(cp.empty((rows, cols), cp.float32)), poison(cp.empty(cols, cp.float32))
+    ops.gelu_bias_backward(cuda(dout), hg, cuda(bias), dpre=dpre, dbias=db)
+    rd, rdb = R.gelu_bias_backward(dout, rpre)
+    assert_close(dpre, rd, rtol=1e-6)
+    assert_close(db, rdb, rtol=1e-5)
+    inplace = cuda(dout)                                     # dpre may overwrite dout
+    ops.gelu_bias_backward(inplace, hg, cuda(bias), dpre=inplace, dbias=db)
+    assert_close(inplace, rd, rtol=1e-6)
+    s = poison(cp.empty(cols, cp.float32))
+    ops.column_sum(cuda(dout), out=s)
+    assert_close(s, R.bias_grad(dout), rtol=1e-5)
+    again = cuda(rnd(cols, seed=9))
+    ops.column_sum(cuda(dout), out=again, accumulate=True)
+    assert_close(again, R.bias_grad(dout) + rnd(cols, seed=9), rtol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("N,n_in,n_out", [(37, 45, 19), (16384, 384, 65), (4096, 384, 384)])
+def test_weight_grad_split_over_rows(N, n_in, n_out):
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    x, dy = rnd(N, n_in, seed=1), rnd(N, n_out, seed=2)
+    ref = x.astype(np.float64).T @ dy
+    S = ops.weight_splits(N, n_in, n_out)
+    assert N % S == 0 and N // S >= min(N, 256)
+    assert (S > 1) == (N >= 4096)                            # few output tiles over many rows: split
+    for splits in (None, 1, 2 if N % 2 == 0 else 1):
+        out = poison(cp.empty((n_in, n_out), cp.float32))
+        ops.weight_grad(cuda(x), cuda(dy), out=out, splits=splits)
+        assert_close(out, ref, rtol=1e-5)                    # fp32 sums over up to 16384 rows
+    with pytest.raises(ValueError, match="splits: expected a positive divisor"):
+        ops.weight_grad(cuda(x), cuda(dy), splits=N + 1)
+
+
+ATT_SHAPES = [(1, 1, 1, 64), (3, 77, 1, 64), (1, 130, 3, 64), (2, 65, 2, 32), (1, 256, 5, 64)]
+
+
+@gpu
+@pytest.mark.parametrize("B,T,H,D", ATT_SHAPES)
+def test_attention_forward_saves_lse(B, T, H, D):
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    C = H * D
+    qkv, bias = rnd(B, T, 3 * C, seed=T), rnd(3 * C, seed=1, scale=0.5)
+    out, lse = poison(cp.empty((B, T, C), cp.float32)), poison(cp.empty((B, H, T), cp.float32))
+    ops.attention_forward(cuda(qkv), cuda(bias), H, out=out, lse=lse)
+    ro, rl = R.attention_forward(qkv, bias, H)
+    assert_close(out, ro, rtol=2e-6)
+    assert_close(lse, rl, rtol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("B,T,H,D", ATT_SHAPES)
+@pytest.mark.parametrize("version", [1, 2])
+def test_attention_backward(B, T, H, D, version):
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    C = H * D
+    qkv, bias, dout = rnd(B, T, 3 * C, seed=T), rnd(3 * C, seed=1, scale=0.5), rnd(B, T, C, seed=2)
+    out, lse = ops.attention_forward(cuda(qkv), cuda(bias), H)
+    dqkv = poison(cp.empty((B, T, 3 * C), cp.float32))
+    ops.attention_backward(cuda(dout), cuda(qkv), cuda(bias), out, lse, H, dqkv=dqkv, version=version)
+    assert_close(dqkv, R.attention_backward(dout, qkv, bias, H), rtol=1e-5)
+
+
+@gpu
+def test_matmul_backward_and_classifier():
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    x, w, dy = rnd(37, 45, seed=1), rnd(45, 19, seed=2), rnd(37, 19, seed=3)
+    dx, dw, db = (poison(cp.empty(s, cp.float32)) for s in ((37, 45), (45, 19), (19,)))
+    ops.matmul_backward(cuda(dy), cuda(x), cuda(w), dx=dx, dweight=dw, dbias=db)
+    for ours, ref in zip((dx, dw, db), R.matmul_backward(dy, x, w)):
+        assert_close(ours, ref, rtol=1e-6)
+    z, t = rnd(37, 65, seed=4, scale=3), np.random.default_rng(5).integers(0, 65, 37).astype(np.int32)
+    zz, losses = cuda(z), poison(cp.empty(37, cp.float32))
+    ops.classifier(zz, cuda(t), losses=losses)
+    rl, rd = R.classifier(z, t)
+    assert_close(losses, rl, rtol=1e-6)
+    assert_close(zz, rd, rtol=1e-5)
+
+
+# ============================================================================ GPU: the whole model
+def torch_grads(cfg, P, idx, tgt, dtype):
+    from step4_gpt2 import train_torch as TT
+    m = TT.build(cfg, device="cuda", dtype=dtype).load(P)
+    loss = m(torch.as_tensor(idx, device="cuda").long(), torch.as_tensor(tgt, device="cuda").long())
+    loss.backward()
+    return loss.item(), m.grads()
+
+
+def whole_model_errors(cfg, B, T, attention_version=2):
+    """{name: max relative error vs torch fp32}, loss difference, and the same vs torch float64."""
+    import common
+    assert common.torch_cuda() is not None
+    from step4_gpt2 import train_torch as TT
+    P = noisy_params(cfg, seed=1)
+    idx, tgt = batch(cfg, B, T, seed=2)
+    model = TR.TrainGPT(cfg, P)
+    model.attention_version = attention_version
+    loss = float(model.loss_and_grads(cuda(idx), cuda(tgt)))
+    ours = {k: v.get() for k, v in model.grads.items()}
+    l32, g32 = torch_grads(cfg, P, idx, tgt, torch.float32)
+    l64, g64 = torch_grads(cfg, P, idx, tgt, torch.float64)
+    return ({k: TT.max_rel_error(ours[k], g32[k]) for k in ours}, abs(loss - l32) / l32,
+            {k: TT.max_rel_error(ours[k], g64[k]) for k in ours}, {k: TT.max_rel_error(g32[k], g64[k]) for k in ours})
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("size", ["small", "shakespeare_char"])
+def test_whole_model_gradients_match_torch(size):
+    if size == "small":
+        cfg, B, T = GPTConfig(n_layer=2, n_head=3, n_embd=192, vocab_size=65, block_size=64), 3, 50
+    else:
+        cfg, B, T = TR.shakespeare_char(65), 4, 256
+    err, loss_err, err64, torch_err64 = whole_model_errors(cfg, B, T)
+    assert loss_err < 1e-5
+    bad = {k: e for k, e in err.items() if not e <= 1e-4}
+    assert not bad, f"max relative error > 1e-4: {bad}"
+
+
+@gpu
+@needs_torch
+def test_attention_backward_versions_agree_in_the_model():
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=50, block_size=96)
+    e1 = whole_model_errors(cfg, 3, 70, attention_version=1)[0]
+    assert max(e1.values()) <= 1e-4
+
+
+@gpu
+def test_gradients_are_deterministic():
+    import cupy as cp
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=11, block_size=64)
+    model = TR.TrainGPT(cfg, noisy_params(cfg))
+    idx, tgt = batch(cfg, 5, 64)
+    model.loss_and_grads(cuda(idx), cuda(tgt))
+    first = model.gflat.copy()
+    model.loss_and_grads(cuda(idx), cuda(tgt))
+    assert cp.array_equal(first, model.gflat)
+
+
+@gpu
+@needs_torch
+def test_twenty_adamw_steps_match_torch():
+    import common
+    from step4_gpt2 import train_torch as TT
+    common.torch_cuda()
+    cfg = TR.shakespeare_char(65)
+    tc = TR.TrainConfig(batch_size=8, lr=1e-3, warmup=5, max_steps=20, grad_clip=1.0)
+    P = TR.init_params(cfg, seed=3)
+    trainer = TR.Trainer(TR.TrainGPT(cfg, P), tc)
+    tm = TT.build(cfg).load(P)
+    opt = TT.adamw(tm, tc)
+    rng = np.random.default_rng(4)
+    rows = []
+    for s in range(20):
+        # text-like batches: a few frequent tokens, so the embedding rows repeat as in real data
+        idx = rng.choice(65, size=(8, 257), p=np.arange(65, 0, -1) / np.arange(65, 0, -1).sum()).astype(np.int32)
+        x, y = idx[:, :-1].copy(), idx[:, 1:].copy()
+        ours = float(trainer.step(cuda(x), cuda(y)))
+        theirs = TT.step(tm, opt, tc, s, torch.as_tensor(x, device="cuda").long(),
+                         torch.as_tensor(y, device="cuda").long()).item()
+        rows.append((s, ours, theirs, abs(ours - theirs) / theirs))
+    bad = [r for r in rows if not r[3] <= 1e-4]
+    assert not bad, f"steps whose loss differs by more than 1e-4 relative: {bad}"
+
+
+def tiny_data(cfg):
+    from step4_gpt2.tokenizer import CharTokenizer
+    rng = np.random.default_rng(7)
+    tok = CharTokenizer([chr(ord("a") + i) for i in range(cfg.vocab_size)])
+    return TR.Data(rng.integers(0, cfg.vocab_size, 5000), rng.integers(0, cfg.vocab_size, 800), tok)
+
+
+@gpu
+def test_save_reload_continue_is_bit_identical(tmp_path):
+    import cupy as cp
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=23, block_size=32)
+    tc = TR.TrainConfig(batch_size=4, warmup=2, max_steps=10, eval_every=100, eval_batches=1)
+    data = tiny_data(cfg)
+    a = TR.Trainer(TR.TrainGPT(cfg, seed=5), tc)
+    a.fit(data, 3, progress=False)
+    a.save(tmp_path / "ckpt", data.tokenizer)
+    la = a.fit(data, 2, progress=False, log_every=1).train
+    b = TR.Trainer.from_checkpoint(tmp_path / "ckpt")
+    assert b.step_count == 3 and b.opt.t == 3
+    lb = b.fit(data, 2, progress=False, log_every=1).train
+    assert la == lb, (la, lb)                                   # Python floats: bit for bit
+    assert cp.array_equal(a.model.flat, b.model.flat)
+    assert (tmp_path / "ckpt" / "char_vocab.json").is_file()
+
+
+@gpu
+def test_checkpoint_loads_in_step4_gpt_and_transformers(tmp_path):
+    import cupy as cp
+    from step4_gpt2.model import GPT
+    from step4_gpt2 import weights
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=23, block_size=32)
+    model = TR.TrainGPT(cfg, noisy_params(cfg, seed=6))
+    TR.Trainer(model).save(tmp_path)
+    idx, _ = batch(cfg, 2, 20)
+    ours = model.forward(cuda(idx)).get()
+    theirs = cp.asnumpy(GPT(*weights.load_file(tmp_path)).forward(cuda(idx)))
+    assert_close(theirs, ours, rtol=1e-5)
+    if torch is not None:
+        transformers = pytest.importorskip("transformers")
+        m = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+        with torch.no_grad():
+            hf = m(torch.as_tensor(idx).long()).logits.numpy()
+        assert_close(hf, ours, rtol=1e-5)
+
+
+@gpu
+def test_named_errors(tmp_path):
+    import cupy as cp
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=64, vocab_size=23, block_size=32)
+    model = TR.TrainGPT(cfg, seed=0)
+    idx = cp.zeros((2, 33), cp.int32)
+    with pytest.raises(ValueError, match="idx: a batch of T=33 tokens .* longer than the model's block_size=32"):
+        model.forward(idx, idx)
+    bad = cp.full((2, 8), 23, cp.int32)
+    with pytest.raises(ValueError, match=r"idx: token id 23 is out of range \[0, 23\)"):
+        model.forward(bad, cp.zeros((2, 8), cp.int32))
+    with pytest.raises(ValueError, match=r"targets: token id -1 is out of range"):
+        model.forward(cp.zeros((2, 8), cp.int32), cp.full((2, 8), -1, cp.int32))
+    with pytest.raises(RuntimeError, match="backward: call forward"):
+        TR.TrainGPT(cfg, seed=0).backward()
+    TR.Trainer(model).save(tmp_path / "small")
+    other = TR.Trainer(TR.TrainGPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=23, block_size=32)))
+    with pytest.raises(TR.CheckpointError, match="another model config: n_layer=1 \\(this model: 2\\)"):
+        other.load(tmp_path / "small")
+    with pytest.raises(ValueError, match="head_dim"):
+        TR.TrainGPT(GPTConfig(n_layer=1, n_head=4, n_embd=64, vocab_size=5, block_size=8))
+
+
+@gpu
+def test_fit_improves_and_generates():
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=8, block_size=32)
+    from step4_gpt2.tokenizer import CharTokenizer
+    tok = CharTokenizer(list("abcdefgh"))
+    ids = np.arange(4000) % 8                                  # a trivially learnable stream
+    data = TR.Data(ids, ids[:500], tok)
+    tr = TR.Trainer(TR.TrainGPT(cfg, seed=0), TR.TrainConfig(batch_size=8, lr=3e-3, warmup=5, max_steps=60, eval_every=30, eval_batches=2))
+    hist = tr.fit(data, 60, progress=False)
+    assert hist.val[-1] < 0.5 * math.log(8) and hist.tokens == 60 * 8 * 32 and hist.tokens_per_s > 0
+    text = TR.generate(tr.model, tok, "abc", max_new_tokens=10, temperature=0)
+    assert text == "abcdefghabcde"
