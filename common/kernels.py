@@ -369,3 +369,17 @@ def kernel_source(path: str | os.PathLike, name: str) -> str:
         if opened and depth == 0:
             break
     return "\n".join(lines[first:end + 1])
+
+
+def show_source(path: str | os.PathLike, *names: str) -> None:
+    """Print a `.cu` file's header comment (what it teaches, its numbered versions), then the named kernels or
+    device functions (`kernel_source`): what a notebook shows instead of a whole file."""
+    lines = resolve(path).read_text().splitlines()
+    header = []
+    for ln in lines:
+        if not ln.startswith("//"):
+            break
+        header.append(ln)
+    print("\n".join(header))
+    for name in names:
+        print("\n" + kernel_source(path, name))

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from common import expect_array, expect_choice, get_kernel, out_array, require_arch
-from common import fp32_peak_tflops  # noqa: F401  (the notebooks call ops.fp32_peak_tflops())
 
 HERE = Path(__file__).resolve().parent
 SOFTMAX_VERSIONS = (1, 2, 3, 4)
