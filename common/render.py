@@ -40,10 +40,16 @@ def _join(s) -> str:
     return "".join(s) if isinstance(s, list) else s
 
 
+# tqdm's notice that the rendering machine's Jupyter lacks ipywidgets (the page shows text progress bars anyway)
+IPROGRESS = re.compile(r"^.*TqdmWarning: IProgress not found.*\n(?:  from \.autonotebook import .*\n?)?", re.M)
+
+
 def _text(s) -> str:
-    """Output text without ANSI colours and with progress bars (carriage returns) collapsed to their last state."""
-    s = ANSI.sub("", _join(s))
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in s.split("\n"))
+    """Output text as a reader elsewhere should see it: no ANSI colours, progress bars (carriage returns) collapsed
+    to their last state, paths inside the repository relative to it, no ipywidgets notice."""
+    s = ANSI.sub("", _join(s)).replace(str(ROOT) + os.sep, "")
+    s = IPROGRESS.sub("", "\n".join(line.rsplit("\r", 1)[-1] for line in s.split("\n")))
+    return s
 
 
 def _fence(text: str, lang: str = "") -> str:

@@ -1,6 +1,7 @@
 """The megakernel ladder: GPT-2 124M decode (random weights: same shapes and bytes as the real ones).
 
-For batch 1 and 8 and a cache of about 32 and about 1000 rows, tokens/s of greedy decoding with:
+For batch 1 and 8 and a cache of about 32 and about 1000 rows (a prompt of `ctx` rows, shortened so that
+the STEPS new rows still fit GPT-2's 1024 positions), tokens/s of greedy decoding with:
     eager launches -> CUDA graph (generate.Decoder) -> megakernel v1 (grid barriers) -> v2 (counters +
     prefetch) -> v2 running all the steps in one launch (the kernel feeds its own tokens forward),
 and transformers' generate on the same weights, same GPU, same process (fp32, TF32 off).
@@ -30,6 +31,11 @@ BATCHES = (1, 8)
 
 def _ids(cfg, batch: int, ctx: int, seed: int = 0):
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, ctx)).astype(np.int32)
+
+
+def prompt_len(config, ctx: int) -> int:
+    """The prompt length for a cache of about ctx rows: ctx, or less where ctx + STEPS new rows would not fit."""
+    return min(ctx, config.block_size - STEPS - 1)
 
 
 def decoder(model, kind: str, batch: int, ctx: int, **options):
@@ -93,6 +99,7 @@ def ladder(model, hf=None, batches=BATCHES, ctxs=CTXS) -> tuple[list[Row], dict]
     rows, table = [], {}
     for B in batches:
         for ctx in ctxs:
+            ctx = prompt_len(model.config, ctx)
             ids = _ids(model.config, B, ctx)
             size = f"124M, b={B}, ctx {ctx}"
             per = {}

@@ -264,7 +264,7 @@ class MegakernelDecoder:
 
     def check(self) -> None:
         """Raise MegakernelTimeout if a launch reported a timeout (and reset the counters for the next run)."""
-        e = self.err.get()
+        e = [int(v) for v in self.err.get()]    # Python ints: the counters are printed as unsigned below
         if e[0] == 0:
             return
         self.reset()
