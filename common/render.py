@@ -93,13 +93,32 @@ def _outputs(outputs, stem: str, cell: int, folder: Path) -> list[str]:
     return parts
 
 
-def to_markdown(nb, stem: str, folder: Path, header: str) -> str:
-    """The executed notebook `nb` as one Markdown page; images go to `folder`."""
+LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
+
+
+def relink(markdown: str, source_dir: Path, page_dir: Path) -> str:
+    """Markdown links written relative to the notebook's folder, rewritten relative to the page's folder (or as
+    file:// addresses when the page is outside the repository). Web addresses and in-page anchors stay."""
+    inside = page_dir.resolve().is_relative_to(ROOT)
+
+    def fix(m):
+        target = m.group(2)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("/"):
+            return m.group(0)
+        where = (source_dir / target).resolve()
+        new = os.path.relpath(where, page_dir.resolve()).replace(os.sep, "/") if inside else where.as_uri()
+        return m.group(1) + new + m.group(3)
+    return LINK.sub(fix, markdown)
+
+
+def to_markdown(nb, stem: str, folder: Path, header: str, source_dir: Path | None = None) -> str:
+    """The executed notebook `nb` as one Markdown page; images go to `folder`. source_dir: the notebook's folder,
+    which its markdown cells' relative links start from."""
     parts = [header]
     for i, cell in enumerate(nb.cells):
         src = cell.source if isinstance(cell.source, str) else "".join(cell.source)
         if cell.cell_type == "markdown":
-            parts.append(src.rstrip() + "\n")
+            parts.append((relink(src, source_dir, folder) if source_dir else src).rstrip() + "\n")
         elif cell.cell_type == "code":
             if src.strip():
                 parts.append(_fence(src, "python"))
@@ -144,7 +163,7 @@ def render(path: Path, out: Path, timeout: int, kernel: str, device: str) -> dic
               f"> **Rendered run** of [`{source}`]({link}) on **{device}**, {meta['date']}, by "
               f"`python -m common.render` ({seconds:.0f} s{'' if status == 'ok' else '; ' + status}). "
               f"Every output below was produced by that run; on your GPU the numbers will differ.\n")
-    (folder / f"{stem}.md").write_text(to_markdown(nb, stem, folder, header), encoding="utf-8")
+    (folder / f"{stem}.md").write_text(to_markdown(nb, stem, folder, header, path.parent), encoding="utf-8")
     return meta
 
 

@@ -1,5 +1,7 @@
 """The course's diagrams and the rendered-run exporter work without a GPU."""
 
+from pathlib import Path
+
 import matplotlib
 import pytest
 
@@ -53,3 +55,22 @@ def test_render_reports_a_failing_notebook(tmp_path):
     _notebook(nb, ["raise ValueError('planted')"])
     assert render.main([str(nb), "--out", str(tmp_path / "r"), "--timeout", "60"]) == 1
     assert "planted" in (tmp_path / "r" / "02_fails" / "02_fails.md").read_text()
+
+
+def test_rendered_pages_keep_the_notebooks_links_working():
+    step, page = render.ROOT / "step1_simple", render.ROOT / "docs" / "rendered" / "01_elementwise"
+    md = ("[glossary](../docs/glossary.md#warp), [web](https://example.org/a.md), [here](#top), "
+          "![diagram](pic.png) and [the kernel](axpb.cu)")
+    got = render.relink(md, step, page)
+    assert got == ("[glossary](../../glossary.md#warp), [web](https://example.org/a.md), [here](#top), "
+                   "![diagram](../../../step1_simple/pic.png) and [the kernel](../../../step1_simple/axpb.cu)")
+    outside = render.relink("[k](axpb.cu)", step, Path("/tmp/elsewhere"))
+    assert outside == f"[k]({(step / 'axpb.cu').as_uri()})"
+
+
+def test_every_relative_link_of_the_rendered_pages_resolves():
+    pages = sorted((render.ROOT / "docs" / "rendered").glob("*/*.md"))
+    assert pages, "no rendered pages in docs/rendered"
+    broken = [f"{p.relative_to(render.ROOT)}: {m.group(2)}" for p in pages for m in render.LINK.finditer(p.read_text())
+              if "://" not in m.group(2) and not (p.parent / m.group(2)).exists()]
+    assert not broken, broken
