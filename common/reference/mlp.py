@@ -91,8 +91,9 @@ def adamw_init(params: dict) -> dict:
 
 
 def adamw_step(params: dict, grads: dict, state: dict, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-               weight_decay: float = 0.01) -> tuple[dict, dict]:
-    """One AdamW step (PyTorch's torch.optim.AdamW formula); returns (new params, new state)."""
+               weight_decay: float = 0.01, decayed=lambda name: name in DECAYED) -> tuple[dict, dict]:
+    """One AdamW step (PyTorch's torch.optim.AdamW formula), weight decay on the tensors `decayed(name)`
+    picks; returns (new params, new state)."""
     b1, b2 = betas
     t = state["t"] + 1
     bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
@@ -101,7 +102,7 @@ def adamw_step(params: dict, grads: dict, state: dict, lr: float, betas=(0.9, 0.
         p, g = f64(v), f64(grads[k])
         m = b1 * state["m"][k] + (1.0 - b1) * g
         s = b2 * state["v"][k] + (1.0 - b2) * g * g
-        wd = weight_decay if k in DECAYED else 0.0
+        wd = weight_decay if decayed(k) else 0.0
         new_p[k] = p - lr * (wd * p + (m / bc1) / (np.sqrt(s / bc2) + eps))
         m_new[k], v_new[k] = m, s
     return new_p, {"t": t, "m": m_new, "v": v_new}

@@ -12,25 +12,27 @@ import math
 
 import numpy as np
 
-from common.reference.mlp import adamw_init  # noqa: F401  (the same state layout as step 3b's AdamW)
-from common.reference.ops import f64, gelu, gelu_grad
+from common.reference import mlp
+from common.reference.fusion import merge_heads, split_heads
+from common.reference.mlp import _ids, adamw_init  # noqa: F401  (the same state layout as step 3b's AdamW)
+from common.reference.ops import cross_entropy, f64, gelu, gelu_grad, softmax
 
 __all__ = ["encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
            "attention_forward", "attention_backward", "gelu_bias_forward", "gelu_bias_backward",
            "matmul_backward", "bias_grad", "classifier", "adamw_init", "adamw_step", "is_decayed",
-           "clip_grad_norm", "lr_at", "forward_backward", "loss"]
+           "clip_grad_norm", "lr_at", "forward_backward"]
 
 
 # ---------------------------------------------------------------- embeddings
 def encoder_forward(wte, wpe, idx) -> np.ndarray:
     """x[b, t] = wte[idx[b, t]] + wpe[t]; idx (B, T) -> (B, T, C)."""
-    idx = np.asarray(idx.get() if hasattr(idx, "get") else idx)
+    idx = _ids(idx)
     return f64(wte)[idx] + f64(wpe)[np.arange(idx.shape[1])][None]
 
 
 def encoder_backward(dx, idx, vocab: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     """(dwte (V, C), dwpe (block, C)) from dx (B, T, C): a scatter-add over repeated tokens, a sum over B."""
-    idx = np.asarray(idx.get() if hasattr(idx, "get") else idx)
+    idx = _ids(idx)
     dx = f64(dx).reshape(idx.shape + (-1,))
     dwte = np.zeros((vocab, dx.shape[-1]))
     np.add.at(dwte, idx.ravel(), dx.reshape(-1, dx.shape[-1]))
@@ -61,36 +63,29 @@ def layernorm_backward(dy, x, weight, mean, rstd):
 
 # ---------------------------------------------------------------- attention on the fused qkv buffer
 def _heads(qkv, bias, n_head: int):
-    qkv = f64(qkv)
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    qkv = qkv + (0.0 if bias is None else f64(bias))
-    return [qkv[..., j * C:(j + 1) * C].reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3) for j in range(3)]
+    """q, k, v (B, H, T, D) of the fused buffer with its bias added, and the causal, scaled scores q k^T."""
+    q, k, v = split_heads(f64(qkv) + (0.0 if bias is None else f64(bias)), n_head)
+    T, D = q.shape[2], q.shape[3]
+    s = np.where(np.tril(np.ones((T, T), bool)), q @ k.transpose(0, 1, 3, 2) / math.sqrt(D), -np.inf)
+    return q, k, v, s
 
 
 def attention_forward(qkv, bias, n_head: int):
     """Causal attention. qkv (B, T, 3C) without bias, bias (3C,) -> (out (B, T, C), lse (B, H, T)),
     lse[b, h, i] = log sum_j<=i exp(q_i . k_j / sqrt(D)): all the backward pass needs of the softmax."""
-    q, k, v = _heads(qkv, bias, n_head)
-    B, H, T, D = q.shape
-    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(D)
-    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    q, k, v, s = _heads(qkv, bias, n_head)
     m = s.max(-1, keepdims=True)
     lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
-    p = np.exp(s - lse[..., None])
-    return (p @ v).transpose(0, 2, 1, 3).reshape(B, T, H * D), lse
+    return merge_heads(np.exp(s - lse[..., None]) @ v), lse
 
 
 def attention_backward(dout, qkv, bias, n_head: int):
     """dqkv (B, T, 3C) of causal attention (also the gradient of the qkv bias, summed over B and T).
     With P = softmax(S): dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K / sqrt(D),
     dK = dS^T Q / sqrt(D)."""
-    q, k, v = _heads(qkv, bias, n_head)
+    q, k, v, s = _heads(qkv, bias, n_head)
     B, H, T, D = q.shape
-    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(D)
-    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    p = softmax(s)
     do = f64(dout).reshape(B, T, H, D).transpose(0, 2, 1, 3)
     o = p @ v
     dv = p.transpose(0, 1, 3, 2) @ do
@@ -98,8 +93,7 @@ def attention_backward(dout, qkv, bias, n_head: int):
     ds = p * (dp - (do * o).sum(-1, keepdims=True))
     dq = ds @ k / math.sqrt(D)
     dk = ds.transpose(0, 1, 3, 2) @ q / math.sqrt(D)
-    merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B, T, H * D)  # noqa: E731
-    return np.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)
+    return np.concatenate([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)
 
 
 # ---------------------------------------------------------------- MLP pieces
@@ -132,13 +126,8 @@ def matmul_backward(dy, x, weight):
 def classifier(logits, targets, scale: float | None = None):
     """(losses (N,), dlogits (N, V)): softmax + cross-entropy, dlogits = (softmax - onehot) * scale
     (scale defaults to 1/N: the gradient of the mean loss)."""
-    z = f64(logits)
-    z = z - z.max(-1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(-1, keepdims=True)
-    t = np.asarray(targets.get() if hasattr(targets, "get") else targets).ravel().astype(np.int64)
-    losses = -np.log(p[np.arange(len(t)), t])
-    d = p.copy()
+    t = _ids(targets).ravel()
+    losses, d = cross_entropy(logits, t), softmax(logits)
     d[np.arange(len(t)), t] -= 1.0
     return losses, d * (1.0 / len(t) if scale is None else scale)
 
@@ -152,18 +141,7 @@ def is_decayed(name: str) -> bool:
 def adamw_step(params: dict, grads: dict, state: dict, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                weight_decay: float = 0.1) -> tuple[dict, dict]:
     """One AdamW step (torch.optim.AdamW's formula), decay on is_decayed(name) tensors only."""
-    b1, b2 = betas
-    t = state["t"] + 1
-    bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
-    new_p, ms, vs = {}, {}, {}
-    for k in params:
-        p, g = f64(params[k]), f64(grads[k])
-        m = b1 * state["m"][k] + (1.0 - b1) * g
-        v = b2 * state["v"][k] + (1.0 - b2) * g * g
-        wd = weight_decay if is_decayed(k) else 0.0
-        new_p[k] = p - lr * (wd * p + (m / bc1) / (np.sqrt(v / bc2) + eps))
-        ms[k], vs[k] = m, v
-    return new_p, {"t": t, "m": ms, "v": vs}
+    return mlp.adamw_step(params, grads, state, lr, betas, eps, weight_decay, decayed=is_decayed)
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> tuple[dict, float]:
@@ -188,7 +166,7 @@ def lr_at(step: int, lr: float, warmup: int, max_steps: int, min_lr: float) -> f
 def forward_backward(params: dict, idx, targets, n_head: int, eps: float = 1e-5, grads: bool = True):
     """(mean loss, {name: gradient}) of GPT-2 (HF names, tied LM head) on one batch, all in float64,
     composed of the layer references above exactly as the GPU model composes its kernels."""
-    idx = np.asarray(idx.get() if hasattr(idx, "get") else idx)
+    idx = _ids(idx)
     P = {k: f64(v) for k, v in params.items()}
     B, T = idx.shape
     V, C = P["wte.weight"].shape
@@ -231,6 +209,3 @@ def forward_backward(params: dict, idx, targets, n_head: int, eps: float = 1e-5,
     G["wte.weight"] = G["wte.weight"] + dwte
     return float(losses.mean()), {k: G[k] for k in params}
 
-
-def loss(params: dict, idx, targets, n_head: int, eps: float = 1e-5) -> float:
-    return forward_backward(params, idx, targets, n_head, eps, grads=False)[0]
