@@ -39,7 +39,6 @@ class Row:
     anchor: str = ""                 # what `ratio` compares with (anchor time / this time: > 1 is faster)
     ratio: float | None = None
     target: str = ""                 # a reference value maintainers track (docs/results.md): JSON only, never printed
-    met: bool | None = None          # accepted from older callers; neither printed nor written
     step: str = ""                   # filled in by the runner: which step folder the row comes from
     family: str = ""                 # filled in by the runner: the --only name that selects the row
 
@@ -67,9 +66,7 @@ class Row:
 
     def record(self) -> dict:
         """The row as written to the JSON file."""
-        d = asdict(self)
-        d.pop("met")
-        return d
+        return asdict(self)
 
 
 def table(rows: list[Row]) -> str:

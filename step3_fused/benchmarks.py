@@ -14,11 +14,9 @@ B_SUB, T_SUB, C_SUB, H_SUB = 8, 1024, 768, 12
 
 
 def unavailable(name: str, size: str, reason: str, target: bool = False) -> Row:
-    """A row that could not be measured here, with the reason in its name (ms is NaN). With target=True it
-    stands for a row that has a target, which then counts as not met (n/a); otherwise it only records why
-    the row is missing."""
-    return Row(f"{name} [unavailable: {reason[:80]}]", size, float("nan"),
-               target="n/a" if target else "", met=False if target else None)
+    """A row that could not be measured here, with the reason in its name (ms is NaN). target=True: it stands
+    for a row that has a reference value, recorded as "n/a" in the JSON."""
+    return Row(f"{name} [unavailable: {reason[:80]}]", size, float("nan"), target="n/a" if target else "")
 
 
 def torch_residual_layernorm(torch):
