@@ -54,10 +54,7 @@ def skip_reason() -> str | None:
     if count == 0:
         return (f"the NVIDIA driver (CUDA {_cuda(driver)}) sees no GPU: check `nvidia-smi`, and that "
                 f"CUDA_VISIBLE_DEVICES does not hide it")
-    try:
-        compiler = tuple(int(x) for x in _nvrtc_version().split("."))
-    except ValueError:      # no NVRTC at all: the first compile says so, with CuPy's own message
-        compiler = None
+    compiler = _nvrtc_version()      # None without NVRTC: the first compile says so, with CuPy's own message
     if compiler and compiler[0] > driver // 1000:
         return (f"CuPy found NVRTC {compiler[0]}.{compiler[1]} (the run-time compiler), newer than what the driver "
                 f"supports (CUDA {_cuda(driver)}), so kernels it compiles would not load; another package "
@@ -121,15 +118,16 @@ def describe() -> str:
     d = device_info()
     return (f"{d['name']} (sm_{d['sm']}, {d['multiprocessors']} SMs, L2 {d['l2_bytes'] / 2**20:.0f} MiB, "
             f"{d['memory_bytes'] / 2**30:.0f} GiB), CuPy {d['cupy_version']}, "
-            f"driver {d['driver_version']}, runtime {d['runtime_version']}, NVRTC {_nvrtc_version()}")
+            f"driver {d['driver_version']}, runtime {d['runtime_version']}, NVRTC "
+            + (".".join(map(str, _nvrtc_version() or ())) or "not loadable"))
 
 
-def _nvrtc_version() -> str:
+def _nvrtc_version() -> tuple[int, int] | None:
+    from common.kernels import nvrtc_version      # kernels imports this module lazily: no cycle
     try:
-        from cupy_backends.cuda.libs import nvrtc
-        return ".".join(map(str, nvrtc.getVersion()))
-    except Exception as e:
-        return f"not loadable ({type(e).__name__})"
+        return nvrtc_version()
+    except Exception:
+        return None
 
 
 # fp32 FMA lanes per SM by compute capability (V100, Xavier, T4 and A100 have 64; sm_61 and sm_86+ have 128)
