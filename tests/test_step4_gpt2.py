@@ -354,34 +354,16 @@ def test_every_kernel_the_wrappers_name_is_in_gpt2_cu():
 def test_gpt2_cu_compiles_every_name_the_wrappers_launch():
     """NVRTC, as CuPy runs it on the GPU: each template instantiation ops.py names is compiled through its
     name expression, with the wrappers' defines (both modules: ROWS 2 and 4), without spills."""
-    import re
     pytest.importorskip("cupy")
     from common import kernels as K
     from step4_gpt2 import ops
-    nvrtc = K._nvrtc()
     arch = 80 if 80 in K.supported_archs() else K.supported_archs()[-1]
-    templated = [n for n in ops.KERNEL_NAMES if "<" in n]
+    templated = tuple(n for n in ops.KERNEL_NAMES if "<" in n)
     for rows in (ops.ROWS, ops.V5_ROWS):
-        opts = (f"--gpu-architecture=sm_{arch}", *K.BASE_OPTIONS, "--ptxas-options=-v", "--no-cache",
-                *(f"-I{d}" for d in K._include_dirs(ops.CU)), f"-I{K._runtime_include()}",
-                *K._define_options(ops.defines(rows)))
-        prog = nvrtc.createProgram(K._source(ops.CU), "step4_gpt2/gpt2.cu", (), ())
-        try:
-            for n in templated:
-                nvrtc.addNameExpression(prog, n)
-            try:
-                nvrtc.compileProgram(prog, opts)
-            except nvrtc.NVRTCError:
-                pytest.fail(f"gpt2.cu (ROWS={rows}) did not compile:\n{nvrtc.getProgramLog(prog)}")
-            lowered = {n: nvrtc.getLoweredName(prog, n) for n in templated}
-            log = nvrtc.getProgramLog(prog)
-        finally:
-            nvrtc.destroyProgram(prog)
-        entries = set(re.findall(r"Compiling entry function '(\S+)'", log))
-        assert {n for n in ops.KERNEL_NAMES if "<" not in n} | set(lowered.values()) <= entries
-        spills = re.findall(r"Function properties for (\S+)\s*\n.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
-                            log, re.S)
-        assert spills and not [f for f, st, ld in spills if int(st) or int(ld)], log
+        r = K.compile_offline(ops.CU, arch, ops.defines(rows), name_expressions=templated)
+        assert set(ops.KERNEL_NAMES) <= set(r.kernels), r.table()
+        spilled = [k.name for k in r.kernels.values() if k.spill_stores or k.spill_loads]
+        assert r.kernels and not spilled, r.table()
 
 
 def test_model_calls_kernels_through_the_ops_module():
