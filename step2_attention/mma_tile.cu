@@ -183,14 +183,3 @@ template <bool BF16> __global__ void __launch_bounds__(32) mma_fragments(const u
     __trap();
 #endif
 }
-
-// ops.py launches these through CuPy's name_expressions ("mma_tile_v1<false>" = fp16, "<true>" = bf16); the
-// explicit instantiations make an offline compile (tests/test_compile.py) build and check every variant.
-template __global__ void mma_tile_v1<false>(const u16*, const u16*, float*);
-template __global__ void mma_tile_v1<true>(const u16*, const u16*, float*);
-template __global__ void mma_tile_v2<false>(const u16*, const u16*, float*);
-template __global__ void mma_tile_v2<true>(const u16*, const u16*, float*);
-template __global__ void mma_tile_v3<false>(const u16*, const u16*, float*, int, int, int);
-template __global__ void mma_tile_v3<true>(const u16*, const u16*, float*, int, int, int);
-template __global__ void mma_fragments<false>(const u16*, const u16*, float*);
-template __global__ void mma_fragments<true>(const u16*, const u16*, float*);

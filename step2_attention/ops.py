@@ -203,6 +203,12 @@ MMA_VERSIONS = (1, 2, 3)
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 MMA_SHAPES = {"a": (MMA_M, MMA_K), "b": (MMA_K, MMA_N), "c": (MMA_M, MMA_N)}
 MMA_V3_WARPS = 4        # v3: warps per block, each one 16x8 tile of C
+MMA_CU = HERE / "mma_tile.cu"
+MMA_DEFINES = {"V3_WARPS": MMA_V3_WARPS}
+MMA_KERNELS = tuple(f"{k}<{bf16}>" for k in ("mma_tile_v1", "mma_tile_v2", "mma_tile_v3", "mma_fragments")
+                    for bf16 in ("false", "true"))        # the template instantiations the wrappers launch
+CU_DEFINES = {MMA_CU: MMA_DEFINES}                        # for tests/test_compile.py
+CU_TEMPLATES = {MMA_CU: MMA_KERNELS}
 
 
 def mma_fragment_map(operand: str) -> np.ndarray:
@@ -284,8 +290,7 @@ def _mma_require(bf16: bool) -> None:
 def mma_kernel(version: int, bf16: bool = False):
     """mma_tile.cu's mma_tile_v<version> for fp16 (or bf16) inputs: what `mma_tile` launches."""
     expect_choice(version, "version", MMA_VERSIONS)
-    return get_kernel(HERE / "mma_tile.cu", f"mma_tile_v{version}<{'true' if bf16 else 'false'}>",
-                      {"V3_WARPS": MMA_V3_WARPS})
+    return get_kernel(MMA_CU, f"mma_tile_v{version}<{'true' if bf16 else 'false'}>", MMA_DEFINES)
 
 
 def mma_tile(a, b, version: int = 1, out=None):
@@ -334,6 +339,5 @@ def mma_fragments(a_frag, b_frag, out=None):
     b_frag = expect_array(b_frag, "b_frag", dtype=a_frag.dtype, shape=(32, 4))
     c = out_array(out, (32, 4))
     _mma_require(bf16)
-    get_kernel(HERE / "mma_tile.cu", f"mma_fragments<{'true' if bf16 else 'false'}>",
-               {"V3_WARPS": MMA_V3_WARPS})((1,), (32,), (a_frag, b_frag, c))
+    get_kernel(MMA_CU, f"mma_fragments<{'true' if bf16 else 'false'}>", MMA_DEFINES)((1,), (32,), (a_frag, b_frag, c))
     return c

@@ -5,6 +5,7 @@ import ast
 import functools
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,8 +26,9 @@ def g(*shape, seed, low=-1.0, high=1.0):
 
 # --------------------------------------------------------------------------------------------- CPU
 def kernel_requests(py):
-    """(.cu path, name pattern, line) of every get_kernel(...) call in the Python file `py`. The name may be a
-    literal, an f-string (each {...} matches any text), `a if c else b`, or a local variable assigned those."""
+    """(.cu path, name pattern, line) of every get_kernel(...) call in the Python file `py`. The path names its
+    .cu literally or through a module-level constant; the name may be a literal, an f-string (each {...}
+    matches any text), `a if c else b`, or a local variable assigned those."""
     tree = ast.parse(py.read_text())
 
     def patterns(node, scope):
@@ -50,7 +52,11 @@ def kernel_requests(py):
             f = call.func
             if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) != "get_kernel":
                 continue
-            cu = [n.value for n in ast.walk(call.args[0]) if isinstance(n, ast.Constant)
+            path = call.args[0]
+            if isinstance(path, ast.Name):        # a module-level constant such as MMA_CU = HERE / "mma_tile.cu"
+                path = next((n.value for n in tree.body if isinstance(n, ast.Assign)
+                             and any(isinstance(t, ast.Name) and t.id == path.id for t in n.targets)), path)
+            cu = [n.value for n in ast.walk(path) if isinstance(n, ast.Constant)
                   and isinstance(n.value, str) and n.value.endswith(".cu")]
             assert len(cu) == 1, f"{py}:{call.lineno}: get_kernel's path names no .cu file literally"
             for pattern in patterns(call.args[1], scope):
@@ -58,24 +64,11 @@ def kernel_requests(py):
     return sorted(found)
 
 
-def _template_name(mangled):
-    """"mma_tile_v1<false>" for the compiled "_Z11mma_tile_v1ILb0EEvPKtS1_Pf" (bool and int arguments): the form
-    the wrappers give get_kernel for a template. Other names come back unchanged."""
-    m = re.match(r"_Z(\d+)", mangled)
-    if not m:
-        return mangled
-    start = m.end()
-    base, rest = mangled[start:start + int(m[1])], mangled[start + int(m[1]):]
-    if not rest.startswith("I") or "EE" not in rest:
-        return base
-    args = re.findall(r"L([bi])(n?\d+)E", rest[:rest.index("EE") + 1])
-    return f"{base}<{', '.join({'0': 'false', '1': 'true'}[v] if t == 'b' else v.replace('n', '-') for t, v in args)}>"
-
-
 @functools.lru_cache(maxsize=None)
 def _kernels_in(cu):
     arch = next(a for a in (80, 90, 75) if a in supported_archs())
-    return tuple(_template_name(k) for k in compile_offline(cu, arch).kernels)
+    templates = {Path(k).resolve(): v for k, v in ops.CU_TEMPLATES.items()}     # instantiated as get_kernel does
+    return tuple(compile_offline(cu, arch, name_expressions=templates.get(Path(cu).resolve(), ())).kernels)
 
 
 WRAPPERS = ["step1_simple/ops.py", "step2_attention/ops.py", "step2_attention/flash.py"]
