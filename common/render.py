@@ -40,16 +40,11 @@ def _join(s) -> str:
     return "".join(s) if isinstance(s, list) else s
 
 
-# tqdm's notice that the rendering machine's Jupyter lacks ipywidgets (the page shows text progress bars anyway)
-IPROGRESS = re.compile(r"^.*TqdmWarning: IProgress not found.*\n(?:  from \.autonotebook import .*\n?)?", re.M)
-
-
 def _text(s) -> str:
     """Output text as a reader elsewhere should see it: no ANSI colours, progress bars (carriage returns) collapsed
-    to their last state, paths inside the repository relative to it, no ipywidgets notice."""
+    to their last state, paths inside the repository relative to it."""
     s = ANSI.sub("", _join(s)).replace(str(ROOT) + os.sep, "")
-    s = IPROGRESS.sub("", "\n".join(line.rsplit("\r", 1)[-1] for line in s.split("\n")))
-    return s
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in s.split("\n"))
 
 
 def _fence(text: str, lang: str = "") -> str:
@@ -96,18 +91,19 @@ def _outputs(outputs, stem: str, cell: int, folder: Path) -> list[str]:
 LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
 
 
-def relink(markdown: str, source_dir: Path, page_dir: Path) -> str:
-    """Markdown links written relative to the notebook's folder, rewritten relative to the page's folder (or as
-    file:// addresses when the page is outside the repository). Web addresses and in-page anchors stay."""
-    inside = page_dir.resolve().is_relative_to(ROOT)
+def _link(target: Path, page_dir: Path) -> str:
+    """How a page in page_dir links a file: relatively when the page is inside the repository, else file://."""
+    target, page_dir = target.resolve(), page_dir.resolve()
+    return os.path.relpath(target, page_dir).replace(os.sep, "/") if page_dir.is_relative_to(ROOT) else target.as_uri()
 
+
+def relink(markdown: str, source_dir: Path, page_dir: Path) -> str:
+    """Markdown links written relative to the notebook's folder, rewritten for a page in page_dir (_link).
+    Web addresses, absolute paths and in-page anchors stay."""
     def fix(m):
-        target = m.group(2)
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("/"):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", m.group(2), re.I) or m.group(2).startswith("/"):
             return m.group(0)
-        where = (source_dir / target).resolve()
-        new = os.path.relpath(where, page_dir.resolve()).replace(os.sep, "/") if inside else where.as_uri()
-        return m.group(1) + new + m.group(3)
+        return m.group(1) + _link(source_dir / m.group(2), page_dir) + m.group(3)
     return LINK.sub(fix, markdown)
 
 
@@ -157,10 +153,8 @@ def render(path: Path, out: Path, timeout: int, kernel: str, device: str) -> dic
     meta = {"notebook": source, "page": f"{stem}/{stem}.md", "device": device,
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "seconds": round(seconds, 1), "status": status}
-    inside = folder.resolve().is_relative_to(ROOT)     # a page in the repository links the notebook relatively
-    link = os.path.relpath(path, folder.resolve()).replace(os.sep, "/") if inside else path.as_uri()
     header = (f"<!-- rendered: {json.dumps(meta)} -->\n"
-              f"> **Rendered run** of [`{source}`]({link}) on **{device}**, {meta['date']}, by "
+              f"> **Rendered run** of [`{source}`]({_link(path, folder)}) on **{device}**, {meta['date']}, by "
               f"`python -m common.render` ({seconds:.0f} s{'' if status == 'ok' else '; ' + status}). "
               f"Every output below was produced by that run; on your GPU the numbers will differ.\n")
     (folder / f"{stem}.md").write_text(to_markdown(nb, stem, folder, header, path.parent), encoding="utf-8")
