@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "megakernel.cu"
 KERNEL = "megakernel_decode"
 MAX_BATCH = 8            # the kernel keeps a (rows x batch) accumulator per lane in registers
-THREADS = 384            # 12 warps per block: 168 registers per thread, no spills (512: 128, a few spills)
+THREADS = 384            # 12 warps per block (149-168 registers per thread by batch; 512 threads: 128, slower)
 ROWS = 2                 # output rows per warp item
 UNROLL = 3               # float4 columns per lane per row in one item: 96 float4 = 384 floats per segment
 PF_WAVES = 2             # v2: waves of weight rows asked from L2 ahead of use
@@ -390,29 +390,5 @@ def plot_timeline(t_ms: np.ndarray, n_layer: int, title: str = "", blocks=None, 
     return ax
 
 
-def _compile_one(args) -> str:
-    cfg, batch, version, timeline, threads, unroll = args
-    get_kernel(SOURCE, KERNEL, defines(cfg, batch, version, timeline, threads, unroll))
-    return f"NB={batch} v{version} C={cfg.n_embd} L={cfg.n_layer}"
-
-
-def compile_variants(variants, processes: int | None = None) -> list[str]:
-    """Compile several specialisations of the kernel at once, in separate processes (NVRTC runs one
-    compilation per process at a time); CuPy's on-disk cache then serves them to every later process.
-    variants: tuples (config, batch, version[, timeline[, threads[, unroll]]])."""
-    import multiprocessing as mp
-    jobs = [tuple(v) + (False, THREADS, UNROLL)[len(v) - 3:] for v in variants]
-    if not jobs:
-        return []
-    with mp.get_context("spawn").Pool(processes or min(len(jobs), mp.cpu_count())) as pool:
-        return pool.map(_compile_one, jobs)
-
-
-def generate_megakernel(model, prompts, max_new_tokens: int = 64, **options):
-    """generate() with mode="megakernel" (options go to MegakernelDecoder)."""
-    from step4_gpt2.generate import generate
-    return generate(model, prompts, max_new_tokens, mode="megakernel", **options)
-
-
 __all__ = ["MegakernelDecoder", "MegakernelUnavailable", "MegakernelTimeout", "unsupported_reason", "defines",
-           "smem_bytes", "breakdown", "plot_timeline", "generate_megakernel", "compile_variants", "STAGES"]
+           "smem_bytes", "breakdown", "plot_timeline", "STAGES"]

@@ -1,7 +1,8 @@
 """Checked Python wrappers of train_gpt2.cu: the forward and backward kernels of a GPT-2 training step.
 
 Every function takes CuPy float32 arrays (token ids int32), checks them with common.expect_array (the error
-names the argument), and writes into `out=`-style buffers when given, so a training step allocates nothing.
+names the argument), and writes into `out=`-style buffers when given, so the step's activations and gradients are
+allocated once (the reductions' partial sums and the attention backward's row terms are still per call).
 The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu).
 """
 from __future__ import annotations

@@ -149,12 +149,11 @@ def test_check_reports_a_compile_error_without_raising(workdir, capsys):
 
 
 def test_check_reports_a_renamed_kernel_without_raising(workdir, capsys):
-    from common.device import gpu_available
     path = E.start("step2/online_merge")
     path.write_text(path.read_text().replace("void merge_states(", "void merge_my_states("))
     result = E.check("step2/online_merge")
     assert not result.passed and "merge_states" in capsys.readouterr().out
-    assert result.ran is False or gpu_available()
+    assert not result.ran             # offline: never runs; on a GPU: the kernel cannot be loaded
 
 
 def test_check_of_a_missing_file_names_it(workdir):
