@@ -3,14 +3,17 @@ warnings and no register spills. This is what CI checks on a machine without a d
 
 A `.cu` whose constants come from Python (`#ifndef BLOCK / #error ...`) is compiled with the defines its
 module declares in a dict `CU_DEFINES = {path of the .cu: defines}`, and its templated kernels are instantiated
-with the names a module declares in `CU_TEMPLATES = {path of the .cu: names}` (CONTRIBUTING.md)."""
+with the names a module declares in `CU_TEMPLATES = {path of the .cu: names}` (CONTRIBUTING.md). Every kernel name
+the wrappers of steps 1-3 can give get_kernel (read from their source: tests/kernel_names.py) is among them."""
 import importlib
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from common.kernels import ARCHS, ROOT, KernelCompileError, compile_offline, supported_archs
+from tests.kernel_names import compiled_kernels, kernel_requests
 
 SOURCES = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("step*/*.cu"))
 
@@ -101,3 +104,41 @@ def test_templates_are_instantiated_under_their_names():
     source, names = next(iter(TEMPLATES.items()))
     report = compile_offline(source, 80, defines=DEFINES.get(source), name_expressions=names)
     assert set(names) <= set(report.kernels), sorted(report.kernels)
+
+
+WRAPPERS = ["step1_simple/ops.py", "step2_attention/ops.py", "step2_attention/flash.py", "step3_fused/ops.py",
+            "step3_fused/training.py"]
+
+
+@pytest.mark.parametrize("module", WRAPPERS)
+def test_every_kernel_a_wrapper_asks_for_is_compiled_from_its_cu(module):
+    """A misspelt kernel name would only fail on the GPU: each name a wrapper can give get_kernel is checked
+    against the kernels NVRTC compiles from that .cu (with the module's CU_DEFINES and CU_TEMPLATES)."""
+    requests = kernel_requests(ROOT / module)
+    assert len(requests) >= 3, f"{module}: expected its get_kernel calls, found {requests}"
+    for cu, pattern, line in requests:
+        kernels = compiled_kernels(module, cu)
+        matches = [k for k in kernels if re.fullmatch(pattern, k)]
+        assert matches, f"{module}:{line} asks for a kernel {pattern!r} that {cu.name} does not define; it has {sorted(kernels)}"
+
+
+def test_kernel_requests_sees_every_form_of_name(tmp_path):
+    py = tmp_path / "m.py"
+    py.write_text('K = HERE / "c.cu"\n'
+                  'def f(v, vec):\n'
+                  '    get_kernel(HERE / "a.cu", "k1")\n'
+                  '    get_kernel(HERE / "a.cu", f"k_v{v}", {"X": 1})\n'
+                  '    name = "k3" if vec else "k3_scalar"\n'
+                  '    common.get_kernel(HERE / "b.cu", name)\n'
+                  '    get_kernel(K, {1: "k4", 2: "k5"}[v])\n'
+                  'def g(kernel, n):\n'
+                  '    get_kernel(K, kernel)\n'
+                  'def h():\n'
+                  '    g("k6", 1)\n'
+                  '    g(kernel="k7", n=2)\n')
+    got = [(c.name, p) for c, p, _ in kernel_requests(py)]
+    assert sorted(got) == sorted([("a.cu", "k1"), ("a.cu", "k_v.+"), ("b.cu", "k3"), ("b.cu", "k3_scalar"),
+                                  ("c.cu", "k4"), ("c.cu", "k5"), ("c.cu", "k6"), ("c.cu", "k7")])
+    py.write_text('def f(x):\n    get_kernel(HERE / "a.cu", x.name)\n')
+    with pytest.raises(AssertionError, match="cannot tell which kernel name"):
+        kernel_requests(py)

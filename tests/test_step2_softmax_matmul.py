@@ -1,17 +1,14 @@
 """Step 2a on the GPU against the float64 references: softmax v1..v4, matmul v1..v3, naive and cuBLAS-based
 attention. Random inputs (never zeros), NaN-poisoned outputs, sizes that are not multiples of any block/tile.
-On the CPU: the kernel names the wrappers of steps 1 and 2 ask for exist in their .cu files."""
-import ast
-import functools
+On the CPU: every version the wrappers of steps 1 and 2 accept has its kernel in their .cu files."""
 import math
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from common import assert_close, compile_offline, poison, rand, reference as R
 from common.kernels import ROOT, supported_archs
+from tests.kernel_names import compiled_kernels
 
 cp = pytest.importorskip("cupy")
 
@@ -25,69 +22,9 @@ def g(*shape, seed, low=-1.0, high=1.0):
 
 
 # --------------------------------------------------------------------------------------------- CPU
-def kernel_requests(py):
-    """(.cu path, name pattern, line) of every get_kernel(...) call in the Python file `py`. The path names its
-    .cu literally or through a module-level constant; the name may be a literal, an f-string (each {...}
-    matches any text), `a if c else b`, or a local variable assigned those."""
-    tree = ast.parse(py.read_text())
-
-    def patterns(node, scope):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return [re.escape(node.value)]
-        if isinstance(node, ast.JoinedStr):
-            return ["".join(re.escape(v.value) if isinstance(v, ast.Constant) else ".+" for v in node.values)]
-        if isinstance(node, ast.IfExp):
-            return patterns(node.body, scope) + patterns(node.orelse, scope)
-        if isinstance(node, ast.Name):
-            values = [n.value for n in ast.walk(scope) if isinstance(n, ast.Assign)
-                      and any(isinstance(t, ast.Name) and t.id == node.id for t in n.targets)]
-            if values:
-                return [p for v in values for p in patterns(v, scope)]
-        raise AssertionError(f"{py}:{node.lineno}: cannot tell which kernel name get_kernel is given "
-                             f"(write a literal, an f-string or `a if c else b`)")
-
-    found = set()
-    for scope in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
-        for call in (n for n in ast.walk(scope) if isinstance(n, ast.Call)):
-            f = call.func
-            if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) != "get_kernel":
-                continue
-            path = call.args[0]
-            if isinstance(path, ast.Name):        # a module-level constant such as MMA_CU = HERE / "mma_tile.cu"
-                path = next((n.value for n in tree.body if isinstance(n, ast.Assign)
-                             and any(isinstance(t, ast.Name) and t.id == path.id for t in n.targets)), path)
-            cu = [n.value for n in ast.walk(path) if isinstance(n, ast.Constant)
-                  and isinstance(n.value, str) and n.value.endswith(".cu")]
-            assert len(cu) == 1, f"{py}:{call.lineno}: get_kernel's path names no .cu file literally"
-            for pattern in patterns(call.args[1], scope):
-                found.add((py.parent / cu[0], pattern, call.lineno))
-    return sorted(found)
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels_in(cu):
-    arch = next(a for a in (80, 90, 75) if a in supported_archs())
-    templates = {Path(k).resolve(): v for k, v in ops.CU_TEMPLATES.items()}     # instantiated as get_kernel does
-    return tuple(compile_offline(cu, arch, name_expressions=templates.get(Path(cu).resolve(), ())).kernels)
-
-
-WRAPPERS = ["step1_simple/ops.py", "step2_attention/ops.py", "step2_attention/flash.py"]
-
-
-@pytest.mark.parametrize("module", WRAPPERS)
-def test_every_kernel_name_a_wrapper_asks_for_is_compiled_from_its_cu(module):
-    """A misspelt kernel name would only fail on the GPU: check each get_kernel name against the kernels
-    NVRTC compiles from that .cu file (at the file's default defines)."""
-    requests = kernel_requests(ROOT / module)
-    assert len(requests) >= 3, f"{module}: expected its get_kernel calls, found {requests}"
-    for cu, pattern, line in requests:
-        kernels = _kernels_in(cu)
-        assert any(re.fullmatch(pattern, k) for k in kernels), \
-            f"{module}:{line} asks for a kernel {pattern!r} that {cu.name} does not define; it has {sorted(kernels)}"
-
-
 def test_every_version_a_wrapper_accepts_has_its_kernel():
-    """The f-string names above match any version; here each version the wrappers accept is looked up."""
+    """The f-string names that tests/test_compile.py checks match any version; here each version the wrappers
+    accept is looked up in what NVRTC compiles (with the owning module's defines and template names)."""
     from step1_simple import ops as ops1
     from step2_attention import flash
     zoo = (*ops1.ZOO_UNARY, *ops1.ZOO_BINARY, *ops1.ZOO_SCALAR, "fill")
@@ -100,19 +37,10 @@ def test_every_version_a_wrapper_accepts_has_its_kernel():
               "step2_attention/mma_tile.cu": [f"mma_tile_v{v}<{b}>" for v in ops.MMA_VERSIONS for b in ("false", "true")]
               + [f"mma_fragments<{b}>" for b in ("false", "true")]}
     for cu, names in wanted.items():
-        missing = set(names) - set(_kernels_in(ROOT / cu))
+        owner = "step1_simple/ops.py" if cu.startswith("step1") else \
+            "step2_attention/flash.py" if "flash" in cu else "step2_attention/ops.py"
+        missing = set(names) - set(compiled_kernels(owner, ROOT / cu))
         assert not missing, f"{cu} lacks {sorted(missing)}"
-
-
-def test_kernel_requests_sees_every_form_of_name(tmp_path):
-    py = tmp_path / "m.py"
-    py.write_text('def f(v, vec):\n'
-                  '    get_kernel(HERE / "a.cu", "k1")\n'
-                  '    get_kernel(HERE / "a.cu", f"k_v{v}", {"X": 1})\n'
-                  '    name = "k3" if vec else "k3_scalar"\n'
-                  '    common.get_kernel(HERE / "b.cu", name)\n')
-    assert [(c.name, p) for c, p, _ in kernel_requests(py)] == [
-        ("a.cu", "k1"), ("a.cu", "k_v.+"), ("b.cu", "k3"), ("b.cu", "k3_scalar")]
 
 
 def test_matmul_v3_budgets_registers_for_two_blocks_per_sm():

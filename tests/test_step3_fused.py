@@ -8,14 +8,16 @@ fp32 computation on O(1) values); 1e-5 where an fp32 dot product of hundreds to 
 involved (convolution, decode attention + projection, the over-fused GEMM); 2e-5 for the attention
 sublayers, which chain two fp32 cuBLAS GEMMs (K = C and 3C accumulations, possibly split-K) with
 attention over T keys: each adds ~sqrt(K) * 6e-8 relative error, and LayerNorm passes it on."""
-import ast
-import inspect
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from common import assert_close, capture_graph, poison, rand, reference as R
-from common.kernels import compile_offline, kernel_source, supported_archs
+from common.kernels import kernel_source
+from tests.kernel_names import compiled_kernels, kernel_requests
 from common.reference import fusion as RF
 
 try:
@@ -76,57 +78,23 @@ def test_reference_decode_sublayer_is_the_last_row_of_the_full_sublayer():
 
 
 # ------------------------------------------------------------------ CPU: every kernel the wrappers name exists
-def _kernel_names(module) -> list:
-    """(path, name) of every get_kernel(path, name, ...) call in a module's source. A name given as a
-    variable is followed to the string literals assigned to it in the same function, or, when it is a
-    parameter of that function, passed for it by the module's calls of the function."""
-    tree = ast.parse(inspect.getsource(module))
-    funcs = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)]
-
-    def literals(node):
-        return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-
-    found = []
-    for fn in funcs:
-        for call in ast.walk(fn):
-            if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "get_kernel"):
-                continue
-            path, name = getattr(module, call.args[0].id), call.args[1]
-            assert not isinstance(name, ast.JoinedStr), f"{fn.name}: build kernel names from literals, not f-strings"
-            if isinstance(name, ast.Name):
-                params = [a.arg for a in fn.args.args]
-                if name.id in params:
-                    i = params.index(name.id)
-                    names = [lit for c in ast.walk(tree) if isinstance(c, ast.Call)
-                             and getattr(c.func, "id", None) == fn.name for lit in literals(c.args[i])]
-                else:
-                    names = [lit for a in ast.walk(fn) if isinstance(a, ast.Assign)
-                             and any(getattr(t, "id", None) == name.id for t in a.targets) for lit in literals(a.value)]
-            else:
-                names = literals(name)
-            assert names, f"{module.__name__}.{fn.name}: no kernel name found for a get_kernel call"
-            found += [(path, n) for n in names]
-    return found
-
-
 def _step3_modules():
     from step3_fused import ops, training
     return ops, training
 
 
 @pytest.mark.parametrize("module", ["ops", "training"])
-def test_every_kernel_name_exists(module):
-    """Every name the wrappers pass to get_kernel is a kernel of its .cu, compiled offline with the module's
-    CU_DEFINES (tests/test_compile.py compiles the same files with them for every arch, warnings and spills)."""
+def test_cu_defines_list_every_launched_file_and_every_kernel_has_its_source(module):
+    """tests/test_compile.py checks that each name the wrappers launch is compiled from its .cu with CU_DEFINES;
+    here CU_DEFINES names exactly the files the module launches, and every launched kernel's source can be
+    shown in a notebook (common.kernel_source)."""
     mod = dict(zip(("ops", "training"), _step3_modules()))[module]
-    names = _kernel_names(mod)
-    assert {p for p, _ in names} == set(mod.CU_DEFINES), "CU_DEFINES must list exactly the .cu files launched"
-    for path, defines in mod.CU_DEFINES.items():
-        report = compile_offline(path, max(supported_archs()), defines=defines)
-        for p, name in names:
-            if p == path:
-                assert kernel_source(path, name), name
-                assert name in report.kernels, f"{mod.__name__} launches {name!r}, which {path.name} does not define"
+    requests = kernel_requests(mod.__file__)
+    assert {cu for cu, _, _ in requests} == {Path(p).resolve() for p in mod.CU_DEFINES}, \
+        "CU_DEFINES must list exactly the .cu files launched"
+    for cu, pattern, _ in requests:
+        for name in (k for k in compiled_kernels(f"step3_fused/{module}.py", cu) if re.fullmatch(pattern, k)):
+            assert kernel_source(cu, name), name
 
 
 # ------------------------------------------------------------------ GPU
