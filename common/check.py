@@ -60,9 +60,10 @@ def poison(a):
     return a
 
 
-def rand(*shape, dtype=np.float32, seed: int | None = None, low: float = -1.0, high: float = 1.0):
-    """Seeded uniform random NumPy array in [low, high) (never zeros: zeros hide indexing bugs)."""
-    rng = np.random.default_rng(seed)
+def rand(*shape, dtype=np.float32, seed: int | None = None, low: float = -1.0, high: float = 1.0, rng=None):
+    """Seeded uniform random NumPy array in [low, high) (never zeros: zeros hide indexing bugs). rng: draw from
+    this numpy Generator instead (several arrays of one test case from one seed)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
     return rng.uniform(low, high, size=shape).astype(dtype)
 
 

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from common import reference
+from common import rand, reference
 from common.exercises import Exercise, Out, Speed
 
 HERE = "step2_attention/exercises"
@@ -15,13 +15,10 @@ HEAD_DIM = 64         # flash_rescale
 NEG_INF = -np.inf
 
 
-def _u(rng, *shape, lo=-1.0, hi=1.0):
-    return rng.uniform(lo, hi, shape).astype(np.float32)
-
 
 # ------------------------------------------------------------------------------ (5) softmax, one warp per row
 def _softmax_make(p, rng):
-    return {"x": _u(rng, p["rows"], p["cols"]) * np.float32(p.get("mag", 1.0)), "y": Out((p["rows"], p["cols"]))}
+    return {"x": rand(p["rows"], p["cols"], rng=rng) * np.float32(p.get("mag", 1.0)), "y": Out((p["rows"], p["cols"]))}
 
 
 def _softmax_launch(kern, a):
@@ -41,9 +38,9 @@ def _merge_make(p, rng):
     """Partial states of real attention rows: keys 0..split-1 and split..L-1 reduced separately (a part
     may be empty), plus `both_empty` rows whose two parts are both empty."""
     R, L, D, mag = p["R"], p["L"], p["D"], p.get("mag", 1.0)
-    s = (np.einsum("rd,rld->rl", _u(rng, R, D).astype(np.float64), _u(rng, R, L, D).astype(np.float64))
+    s = (np.einsum("rd,rld->rl", rand(R, D, rng=rng).astype(np.float64), rand(R, L, D, rng=rng).astype(np.float64))
          * mag / math.sqrt(D))
-    v = _u(rng, R, L, D).astype(np.float64)
+    v = rand(R, L, D, rng=rng).astype(np.float64)
     split = rng.integers(0, L + 1, R)[:, None]
     j = np.arange(L)[None, :]
     parts = []
@@ -82,7 +79,7 @@ def _merge_launch(kern, a):
 # ------------------------------------------------------------------------------ (7) tiled matmul
 def _matmul_make(p, rng):
     M, N, K = p["M"], p["N"], p["K"]
-    return {"a": _u(rng, M, K), "b": _u(rng, K, N), "c": Out((M, N))}
+    return {"a": rand(M, K, rng=rng), "b": rand(K, N, rng=rng), "c": Out((M, N))}
 
 
 def _matmul_launch(kern, a):
@@ -101,7 +98,7 @@ def _course_matmul(a):
 # ------------------------------------------------------------------------------ (8) scores with scale and mask
 def _scores_make(p, rng):
     H, Tq, Tk, D = p["H"], p["Tq"], p["Tk"], p["D"]
-    return {"q": _u(rng, H, Tq, D), "k": _u(rng, H, Tk, D), "s": Out((H, Tq, Tk)), "causal": p["causal"]}
+    return {"q": rand(H, Tq, D, rng=rng), "k": rand(H, Tk, D, rng=rng), "s": Out((H, Tq, Tk)), "causal": p["causal"]}
 
 
 def _scores_ref(h):
@@ -135,8 +132,8 @@ def _course_scores(a):
 # ------------------------------------------------------------------------------ (9) flash attention's update
 def _flash_make(p, rng):
     H, T = p["H"], p["T"]
-    return {"q": _u(rng, H, T, HEAD_DIM) * np.float32(p.get("mag", 1.0)), "k": _u(rng, H, T, HEAD_DIM),
-            "v": _u(rng, H, T, HEAD_DIM), "o": Out((H, T, HEAD_DIM)), "lse": Out((H, T)), "causal": p["causal"]}
+    return {"q": rand(H, T, HEAD_DIM, rng=rng) * np.float32(p.get("mag", 1.0)), "k": rand(H, T, HEAD_DIM, rng=rng),
+            "v": rand(H, T, HEAD_DIM, rng=rng), "o": Out((H, T, HEAD_DIM)), "lse": Out((H, T)), "causal": p["causal"]}
 
 
 def _flash_ref(h):

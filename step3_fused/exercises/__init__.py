@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import launch_grid, reference
+from common import launch_grid, rand, reference
 from common.exercises import Exercise, Out, Speed
 from common.reference import fusion, mlp
 
@@ -13,9 +13,6 @@ EPS = 1e-5
 ADAMW = {"lr": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "wd": 0.1, "t": 3}
 
 
-def _u(rng, *shape, lo=-1.0, hi=1.0):
-    return rng.uniform(lo, hi, shape).astype(np.float32)
-
 
 def _rows_grid(N):
     return (-(-N // (BLOCK // 32)),)
@@ -24,7 +21,7 @@ def _rows_grid(N):
 # ------------------------------------------------------------------------------ (10) LayerNorm, Welford
 def _ln_make(p, rng):
     N, C = p["N"], p["C"]
-    return {"x": _u(rng, N, C) + np.float32(p.get("mean", 0.0)), "w": 1 + 0.1 * _u(rng, C), "b": 0.1 * _u(rng, C),
+    return {"x": rand(N, C, rng=rng) + np.float32(p.get("mean", 0.0)), "w": 1 + 0.1 * rand(C, rng=rng), "b": 0.1 * rand(C, rng=rng),
             "y": Out((N, C))}
 
 
@@ -44,8 +41,8 @@ def _course_ln(a):
 # ------------------------------------------------------------------------------ (11) bias + residual + LayerNorm
 def _rln_make(p, rng):
     N, C = p["N"], p["C"]
-    return {"x": _u(rng, N, C), "proj": _u(rng, N, C), "bias": _u(rng, C), "w": 1 + 0.1 * _u(rng, C),
-            "b": 0.1 * _u(rng, C), "r": Out((N, C)), "y": Out((N, C))}
+    return {"x": rand(N, C, rng=rng), "proj": rand(N, C, rng=rng), "bias": rand(C, rng=rng), "w": 1 + 0.1 * rand(C, rng=rng),
+            "b": 0.1 * rand(C, rng=rng), "r": Out((N, C)), "y": Out((N, C))}
 
 
 def _rln_ref(h):
@@ -70,7 +67,7 @@ def _course_rln(a):
 # ------------------------------------------------------------------------------ (12) the fused classifier's row
 def _cls_make(p, rng):
     B, V = p["B"], p["V"]
-    return {"z": _u(rng, B, V) * np.float32(p.get("mag", 1.0)), "targets": rng.integers(0, V, B).astype(np.int32),
+    return {"z": rand(B, V, rng=rng) * np.float32(p.get("mag", 1.0)), "targets": rng.integers(0, V, B).astype(np.int32),
             "loss": Out(B)}
 
 
@@ -97,7 +94,7 @@ def _course_cls(a):
 # ------------------------------------------------------------------------------ (13) AdamW
 def _adamw_make(p, rng):
     n = p["n"]
-    return {"p": _u(rng, n), "g": _u(rng, n), "m": 0.1 * _u(rng, n), "v": _u(rng, n, lo=0.0, hi=0.01)}
+    return {"p": rand(n, rng=rng), "g": rand(n, rng=rng), "m": 0.1 * rand(n, rng=rng), "v": rand(n, low=0.0, high=0.01, rng=rng)}
 
 
 def _adamw_ref(h):
@@ -136,7 +133,7 @@ def _course_adamw(a):
 # ------------------------------------------------------------------------------ (14) conv + bias + ReLU
 def _conv_make(p, rng):
     N, Cin, H, W, Cout = p["shape"]
-    return {"x": _u(rng, N, Cin, H, W), "w": 0.5 * _u(rng, Cout, Cin, 3, 3), "bias": 0.5 * _u(rng, Cout),
+    return {"x": rand(N, Cin, H, W, rng=rng), "w": 0.5 * rand(Cout, Cin, 3, 3, rng=rng), "bias": 0.5 * rand(Cout, rng=rng),
             "y": Out((N, Cout, H, W))}
 
 

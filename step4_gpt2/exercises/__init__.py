@@ -10,7 +10,7 @@ import contextlib
 
 import numpy as np
 
-from common import launch_grid, reference
+from common import launch_grid, rand, reference
 from common.exercises import CaseResult, Exercise, Out, Speed, compare
 from common.reference import gpt2 as ref_gpt2
 
@@ -44,14 +44,11 @@ def _swapped(name: str, fn):
         setattr(ops, name, original)
 
 
-def _u(rng, *shape, lo=-1.0, hi=1.0):
-    return rng.uniform(lo, hi, shape).astype(np.float32)
-
 
 # ------------------------------------------------------------------------------ (15) bias + GELU in the model
 def _gelu_make(p, rng):
     rows, C = p["rows"], p["C"]
-    return {"h": _u(rng, rows, C, lo=-3.0, hi=3.0), "b": _u(rng, C)}
+    return {"h": rand(rows, C, low=-3.0, high=3.0, rng=rng), "b": rand(C, rng=rng)}
 
 
 def _gelu_launch(kern, a):
@@ -92,7 +89,7 @@ def _course_gelu(a):
 # ------------------------------------------------------------------------------ (16) the decode GEMV
 def _gemv_make(p, rng):
     B, N, K = p["B"], p["N"], p["K"]
-    return {"x": _u(rng, B, K), "W": 0.05 * _u(rng, N, K), "bias": _u(rng, N) if p.get("bias", True) else None,
+    return {"x": rand(B, K, rng=rng), "W": 0.05 * rand(N, K, rng=rng), "bias": rand(N, rng=rng) if p.get("bias", True) else None,
             "y": Out((B, N))}
 
 
