@@ -78,17 +78,23 @@ def require_gpu() -> None:
 
 @functools.lru_cache(maxsize=None)
 def device_info() -> dict:
-    """Name, compute capability, SM count, L2 size, memory and driver/runtime versions of device 0."""
+    """Name, compute capability, SM count, clock, L2 size, memory and driver/runtime versions of device 0."""
     require_gpu()
+    rt = cp.cuda.runtime
     dev = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    props = rt.getDeviceProperties(dev.id)
     name = props["name"]
     name = name.decode() if isinstance(name, bytes) else name
+    try:    # an attribute, not props["clockRate"]: CUDA 13 dropped that field from cudaDeviceProp
+        clock_khz = rt.deviceGetAttribute(rt.cudaDevAttrClockRate, dev.id) or None
+    except rt.CUDARuntimeError:
+        clock_khz = None
     return {
         "name": name,
         "compute_capability": (props["major"], props["minor"]),
         "sm": props["major"] * 10 + props["minor"],
         "multiprocessors": props["multiProcessorCount"],
+        "clock_khz": clock_khz,                     # boost clock; None when the driver reports none
         "l2_bytes": props["l2CacheSize"],
         "memory_bytes": props["totalGlobalMem"],
         "shared_per_block_optin": props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]),
@@ -139,18 +145,11 @@ def fp32_peak_tflops() -> float | None:
     """fp32 FMA peak of the current device at its reported boost clock: SMs x fp32 lanes per SM x 2 FLOPs
     x clock, in TFLOP/s (a ceiling to compare kernels with, from the device's own attributes). None when
     the driver reports no clock."""
-    require_gpu()
-    rt = cp.cuda.runtime
-    dev = cp.cuda.Device()
-    try:
-        clock_khz = rt.deviceGetAttribute(rt.cudaDevAttrClockRate, dev.id)
-        sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev.id)
-    except rt.CUDARuntimeError:
+    d = device_info()
+    if not d["clock_khz"]:
         return None
-    if not clock_khz:
-        return None
-    lanes = FP32_LANES_PER_SM.get(int(dev.compute_capability), 128)
-    return 2.0 * sms * lanes * clock_khz * 1e3 / 1e12
+    lanes = FP32_LANES_PER_SM.get(d["sm"], 128)
+    return 2.0 * d["multiprocessors"] * lanes * d["clock_khz"] * 1e3 / 1e12
 
 
 @functools.lru_cache(maxsize=None)

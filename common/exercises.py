@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from common.check import poison
 from common.kernels import ROOT
 
 STEP_PACKAGES = ("step1_simple", "step2_attention", "step3_fused", "step4_gpt2")
@@ -205,14 +206,13 @@ def solution(exercise_id: str) -> Path:
 
 # --------------------------------------------------------------------------------------------- checking
 def _guarded(value, offset: int):
-    """(view the kernel gets, guarded buffer, slice of the view in it): the buffer is filled with NaN
-    (-1 for integers) and the view starts `offset` elements past a 256-byte boundary."""
+    """(view the kernel gets, guarded buffer, slice of the view in it): the buffer is poisoned (common.poison:
+    NaN for floats) and the view starts `offset` elements past a 256-byte boundary."""
     import cupy as cp
     shape, dtype = value.shape, np.dtype(value.dtype)
     size = int(np.prod(shape))
     start = GUARD + offset
-    buf = cp.empty(start + size + GUARD, dtype=dtype)
-    buf.fill(np.nan if dtype.kind == "f" else -1)
+    buf = poison(cp.empty(start + size + GUARD, dtype=dtype))
     view = buf[start:start + size].reshape(shape)
     if not isinstance(value, Out):
         view[...] = cp.asarray(value)
@@ -235,7 +235,8 @@ def _to_device(host: dict, offset: int = 0):
 def _guard_damage(buf, span) -> str | None:
     """Where a kernel wrote outside its array, if it did."""
     h = buf.get()
-    fill_ok = (lambda a: np.isnan(a)) if h.dtype.kind == "f" else (lambda a: a == -1)
+    fill = poison(np.empty(1, h.dtype))
+    fill_ok = (lambda a: np.isnan(a)) if h.dtype.kind == "f" else (lambda a: a == fill)
     before, after = ~fill_ok(h[:span[0]]), ~fill_ok(h[span[1]:])
     if after.any():
         k = int(np.argmax(after))

@@ -148,15 +148,24 @@ def load_module(path: str | os.PathLike, defines: dict | None = None, options: t
 _kernels: dict = {}
 
 
-def get_kernel(path: str | os.PathLike, name: str, defines: dict | None = None, options: tuple = ()):
+def get_kernel(path: str | os.PathLike, name: str, defines: dict | None = None, options: tuple = (),
+               templates: tuple = ()):
     """The one way the course gets a kernel: `name` from the `.cu` file at `path`, compiled with `defines`
     (`-DNAME=value`) and cached. Cheap enough to call on every launch (a dict access and a few stat() calls).
 
     `name` is either an `extern "C"` kernel or a template instantiation such as `"layernorm<256, true>"`,
     which CuPy compiles through `name_expressions`, so templated kernels need no hand-written wrappers.
+    `templates` is every instantiation the course asks that `.cu` for (its `CU_TEMPLATES` entry): they are
+    compiled together into one module, where each would otherwise cost a compile of the whole file of its
+    own. A templated `name` must then be one of them (an `extern "C"` one comes from the same module).
     """
+    templates = tuple(templates)
     templated = "<" in name
-    module = load_module(path, defines, options, name_expressions=(name,) if templated else ())
+    if templates and templated and name not in templates:
+        raise ValueError(f"name: {name!r} is not one of templates {templates} (the template instantiations "
+                         f"compiled from {os.fspath(path)}); add it to the .cu's CU_TEMPLATES entry")
+    expressions = templates or ((name,) if templated else ())
+    module = load_module(path, defines, options, name_expressions=expressions)
     key = (id(module), name)
     if key not in _kernels:
         _kernels[key] = (module, module.get_function(name))   # keep module alive: id() stays unique
@@ -187,11 +196,21 @@ def capture_graph(fn, stream=None):
 
 
 def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
-    """Resident blocks and warps per SM for a compiled kernel, from its registers and shared memory
-    (the CUDA occupancy calculator's arithmetic: registers are allocated per warp in units of 256, and
-    each block reserves 1 KB of shared memory for the system). Says which resource is the limit."""
+    """Resident blocks and warps per SM for a compiled kernel launched with `block` threads and `dynamic_smem`
+    bytes of dynamic shared memory, as the CUDA driver counts them (cuOccupancyMaxActiveBlocksPerMultiprocessor,
+    which also sizes the megakernel's grid), and which resource is the limit: the smallest of the occupancy
+    calculator's per-resource counts (registers are allocated per warp in units of 256, and each block
+    reserves 1 KB of shared memory for the system)."""
+    from cupy.cuda import driver
     from common.device import device_info
     d = device_info()
+    # The driver counts no block at all for more dynamic shared memory than the kernel has opted in to. The
+    # launch opts in (allow_dynamic_smem), so the question is about the kernel once it has; an opt-in is
+    # only ever raised here, never lowered below what a wrapper already set.
+    if dynamic_smem > kernel.max_dynamic_shared_size_bytes and dynamic_smem <= d["shared_per_block_optin"]:
+        allow_dynamic_smem(kernel, dynamic_smem, "dynamic_smem")
+    blocks = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, block, dynamic_smem))
+    # The driver gives the count alone; the calculator's count per resource says which one binds.
     regs = kernel.num_regs
     warps = -(-block // 32)
     regs_per_warp = -(-regs * 32 // 256) * 256
@@ -199,7 +218,6 @@ def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
     by_threads = d["max_threads_per_sm"] // (warps * 32)
     smem = kernel.shared_size_bytes + dynamic_smem
     by_smem = d["shared_per_sm"] // (smem + 1024) if smem else 10 ** 9
-    blocks = min(by_regs, by_threads, by_smem, d["max_blocks_per_sm"])
     limiter = min((by_regs, "registers"), (by_threads, "threads"), (by_smem, "shared memory"),
                   (d["max_blocks_per_sm"], "blocks per SM"))[1]
     return {"registers": regs, "local_bytes": kernel.local_size_bytes, "blocks_per_sm": blocks,

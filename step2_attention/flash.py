@@ -85,13 +85,13 @@ def _scale(scale, d) -> float:
     return s
 
 
-def _launch_fp32(q, k, v, bias, out, B, H, T, d, strides, ostrides, scale, causal, version, tiles=None):
+def _launch_fp32(q, k, v, bias, out, B, H, T, d, strides, ostrides, scale, causal, version, tiles=None, lse=None):
     t = tiles or TILES
     if version == 3 and any(a.data.ptr % 16 for a in (q, k, v, out)):
         version = 2    # float4 loads need 16-byte aligned rows
     bq, bk, bv = bias if bias is not None else (None, None, None)
     # raw pointers: k and v may be column views into the fused QKV buffer
-    args = (_ptr(q), _ptr(k), _ptr(v), _ptr(bq), _ptr(bk), _ptr(bv), _ptr(out), np.int32(T), np.int32(H),
+    args = (_ptr(q), _ptr(k), _ptr(v), _ptr(bq), _ptr(bk), _ptr(bv), _ptr(out), _ptr(lse), np.int32(T), np.int32(H),
             *(np.int64(s) for s in strides), *(np.int64(s) for s in ostrides),
             np.float32(scale * LOG2E), np.int32(bool(causal)))
     kernel, threads, smem = fp32_kernel(version, d, t)
@@ -118,10 +118,12 @@ def flash_attention(q, k, v, causal: bool = True, scale: float | None = None, ou
 
 
 def flash_attention_qkv(qkv, n_head: int, causal: bool = True, bias=None, out=None, scale: float | None = None,
-                        version: int = BEST):
+                        version: int = BEST, lse=None):
     """Attention straight from GPT-2's c_attn output: qkv (B, T, 3C) fp32 = [q | k | v] along the last
     axis, head h at columns h*D .. h*D+D-1 of each C block; optional bias (3C,) is added while loading.
-    Returns the merged-heads output (B, T, C), ready for c_proj. No permute, one launch."""
+    Returns the merged-heads output (B, T, C), ready for c_proj. No permute, one launch. Given lse
+    (B, n_head, T) fp32, also writes each row's log-sum-exp, log sum_j exp(scale * q_i . k_j) (natural log):
+    what a backward pass keeps (step 4b's training)."""
     qkv = expect_array(qkv, "qkv", dtype=np.float32, ndim=3)
     B, T, C3 = qkv.shape
     if C3 % 3:
@@ -135,6 +137,8 @@ def flash_attention_qkv(qkv, n_head: int, causal: bool = True, bias=None, out=No
     if bias is not None:
         bias = expect_array(bias, "bias", dtype=np.float32, shape=(C3,))
     out = out_array(out, (B, T, C))
+    if lse is not None:
+        lse = out_array(lse, (B, n_head, T), name="lse")
     if qkv.size == 0:
         return out
     _check_grid(B * n_head, "qkv: B*n_head")
@@ -142,7 +146,7 @@ def flash_attention_qkv(qkv, n_head: int, causal: bool = True, bias=None, out=No
     if version == 3 and bias is not None and any(b.data.ptr % 16 for b in biases):
         version = 2
     return _launch_fp32(qkv, qkv[..., C:], qkv[..., 2 * C:], biases, out, B, n_head, T, d,
-                        (T * C3, d, C3), (T * C, d, C), _scale(scale, d), causal, version)
+                        (T * C3, d, C3), (T * C, d, C), _scale(scale, d), causal, version, lse=lse)
 
 
 # ----------------------------------------------------------------------------------- tensor cores

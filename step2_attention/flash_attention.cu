@@ -19,7 +19,9 @@
 //
 // All versions read q/k/v through (batch, head, time) strides, so the same kernels serve (B, H, T, D)
 // tensors and GPT-2's fused QKV buffer (B, T, 3C) with the c_attn bias added while loading (no permute
-// kernel), and write either (B, H, T, D) or the merged-heads (B, T, C) output.
+// kernel), and write either (B, H, T, D) or the merged-heads (B, T, C) output. Given an lse buffer, they
+// also write each row's log-sum-exp (one float per row): all that a backward pass needs to rebuild the
+// probabilities (step 4b's training).
 //
 // Compile-time knobs: HEAD_DIM (32 or 64; default 64), BR (query rows per block, 64), BC (keys per
 // tile, 64), TM (query rows per thread, 4), V1_ROWS (v1 query rows = warps per block, 4). v2/v3 use
@@ -48,6 +50,7 @@
 #define TD (D / 8)             // output dims per thread in O
 #define THREADS ((BR / TM) * 8)
 #define V1_BC 32               // v1: keys per tile (one per lane)
+#define LN2 0.6931471805599453f  // scores are in log2 units (scale_log2); lse is a natural log
 
 static_assert(D % 32 == 0 && D <= 128, "HEAD_DIM must be 32, 64 or 128");
 static_assert(BC % 32 == 0 && BR % TM == 0 && TD % 4 == 0, "tile sizes must fit the thread layout");
@@ -55,11 +58,12 @@ static_assert(THREADS % 32 == 0 && THREADS <= 1024, "(BR / TM) * 8 must be a mul
 
 // Arguments shared by every version. Element (b, h, t, d) of q is q[b*s_b + h*s_h + t*s_t + d] (k and v
 // have the same strides); o uses o_b/o_h/o_t. bq/bk/bv are per-head bias vectors (nullptr: none).
+// lse (B*H, T): log sum_j exp(scale * q_i . k_j) of each row (nullptr: not written).
 #define ATTN_ARGS                                                                                        \
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,               \
     const float* __restrict__ bq, const float* __restrict__ bk, const float* __restrict__ bv,            \
-    float* __restrict__ o, int T, int H, long long s_b, long long s_h, long long s_t,                   \
-    long long o_b, long long o_h, long long o_t, float scale_log2, int causal
+    float* __restrict__ o, float* __restrict__ lse, int T, int H, long long s_b, long long s_h,         \
+    long long s_t, long long o_b, long long o_h, long long o_t, float scale_log2, int causal
 
 // ------------------------------------------------------------------------------------------------- v1
 extern "C" __global__ void __launch_bounds__(V1_ROWS * 32) flash_v1(ATTN_ARGS) {
@@ -116,6 +120,7 @@ extern "C" __global__ void __launch_bounds__(V1_ROWS * 32) flash_v1(ATTN_ARGS) {
         float* o_row = o + b * o_b + h * o_h + row * o_t;
 #pragma unroll
         for (int i = 0; i < D / 32; ++i) o_row[lane + 32 * i] = acc[i] * inv;
+        if (lse && lane == 0) lse[(long long)blockIdx.y * T + row] = (m + log2f(l)) * LN2;
     }
 }
 
@@ -328,15 +333,16 @@ __device__ __forceinline__ void flash_tiled(ATTN_ARGS) {
 #pragma unroll
             for (int c = 0; c < TD; ++c) o_row[tx + 8 * c] = acc[i][c] * inv;
         }
+        if (lse && tx == 0) lse[(long long)blockIdx.y * T + r] = (m[i] + log2f(li)) * LN2;   // m: the same in all 8
     }
 }
 
 // v2/v3 need (BR * QS_STRIDE + KP_FLOATS + BC * D) * 4 bytes of dynamic shared memory; flash.py computes
 // the same number (52 KB at the defaults, so the launch opts in above the 48 KB default).
 extern "C" __global__ void __launch_bounds__(THREADS) flash_v2(ATTN_ARGS) {
-    flash_tiled<false>(q, k, v, bq, bk, bv, o, T, H, s_b, s_h, s_t, o_b, o_h, o_t, scale_log2, causal);
+    flash_tiled<false>(q, k, v, bq, bk, bv, o, lse, T, H, s_b, s_h, s_t, o_b, o_h, o_t, scale_log2, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2) flash_v3(ATTN_ARGS) {
-    flash_tiled<true>(q, k, v, bq, bk, bv, o, T, H, s_b, s_h, s_t, o_b, o_h, o_t, scale_log2, causal);
+    flash_tiled<true>(q, k, v, bq, bk, bv, o, lse, T, H, s_b, s_h, s_t, o_b, o_h, o_t, scale_log2, causal);
 }

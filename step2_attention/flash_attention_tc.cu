@@ -15,6 +15,9 @@
 //   * K/V tiles are double-buffered with cp.async (sm_80+): tile j+1 streams in while tile j computes;
 //   * shared rows are padded by 16 bytes so the 8 row addresses of each ldmatrix hit 8 different banks.
 //
+// The mma instruction as a function (mma16816) and smem_addr live in common/include/mma.cuh, where
+// mma_tile.cu (which builds them up) finds them too.
+//
 // Architectures: mma.sync m16n8k16 with fp16 or bf16 inputs needs sm_80. fp16 also runs on sm_75 (T4):
 // there one m16n8k16 is issued as two m16n8k8 (same fragments, split in k) and the cp.async copies
 // become plain loads. sm_70 (V100) has neither ldmatrix nor these mma shapes: the kernels trap there,
@@ -27,6 +30,7 @@
 // BC (keys per tile, 64).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "mma.cuh"      // mma16816 and smem_addr, shared with mma_tile.cu
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -50,10 +54,6 @@ static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 typedef unsigned short u16;
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 750
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 // 16-byte global -> shared copy; rows past the end are zero-filled (src-size 0 reads nothing).
 __device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
 #if __CUDA_ARCH__ >= 800
@@ -81,25 +81,6 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
 __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-
-// c += a (16x16, row-major fragment) * b (16x8, column-major fragment b0, b1), fp32 accumulators.
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-    if (BF16)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    // sm_75: k = 0..7 lives in (a0, a1, b0), k = 8..15 in (a2, a3, b1): two m16n8k8 make one m16n8k16.
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(b0));
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[2]), "r"(a[3]), "r"(b1));
-#endif
 }
 
 template <bool BF16>

@@ -15,12 +15,16 @@
 // v2: the same tile through shared memory and ldmatrix, the load flash_attention_tc.cu uses;
 // v3: one 16x8 tile of a larger C = A B per warp, the accumulator kept in registers over K (the GEMM inner loop).
 // mma_fragments: the bare instruction, each lane passing in the registers it holds (the ownership test).
+// v2, v3 and mma_fragments call v1's instruction as a function, mma16816, which lives with smem_addr in
+// common/include/mma.cuh: flash_attention_tc.cu uses the same two.
 //
 // Architectures: m16n8k16 with fp16 or bf16 inputs needs sm_80. On sm_75 (T4) fp16 runs as two m16n8k8
 // (the same registers, split in k); bf16 needs sm_80 and ops.py refuses older GPUs. sm_70 has neither shape
 // nor ldmatrix: the kernels trap there, and ops.py refuses before launching.
 // Layout: row-major A (M, K) and B (K, N), fp16 or bf16 (bit patterns as uint16); C (M, N) float32.
 // v1/v2 take exactly one 16x16 A and 16x8 B; v3 any M, N, K (zero padding at the edges).
+
+#include "mma.cuh"
 
 #ifndef V3_WARPS
 #define V3_WARPS 4      // v3: warps per block, each one 16x8 tile of C, stacked along M
@@ -70,31 +74,6 @@ template <bool BF16> __global__ void __launch_bounds__(32) mma_tile_v1(const u16
 #endif
 }
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 750
-// v1's instruction as a function for v2, v3 and mma_fragments: d += A * B on fragments a[0..3], b[0..1].
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-#if __CUDA_ARCH__ >= 800
-    if (BF16)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    if (BF16) __trap();
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(b[0]));
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[2]), "r"(a[3]), "r"(b[1]));
-#endif
-}
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-#endif
-
 // ------------------------------------------------------------------------------------------------- v2
 // ldmatrix loads whole 8x8 tiles of 16-bit values from shared memory straight into fragment layout: each of
 // lanes 0..7 (then 8..15, ...) passes the address of one 16-byte row of a tile, and every lane receives
@@ -118,7 +97,7 @@ template <bool BF16> __global__ void __launch_bounds__(32) mma_tile_v2(const u16
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                  : "=r"(fb[0]), "=r"(fb[1]) : "r"(smem_addr(bs + (lane % 16) * 8)));
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma16816<BF16>(d, fa, fb);
+    mma16816<BF16>(d, fa, fb[0], fb[1]);
     c[g * 8 + 2 * t] = d[0];
     c[g * 8 + 2 * t + 1] = d[1];
     c[(g + 8) * 8 + 2 * t] = d[2];
@@ -153,7 +132,7 @@ template <bool BF16> __global__ void __launch_bounds__(32 * V3_WARPS) mma_tile_v
                                 pack(at(a, r1, k + 8, M, K), at(a, r1, k + 9, M, K))};
         const unsigned fb[2] = {pack(at(b, k, n, K, N), at(b, k + 1, n, K, N)),
                                 pack(at(b, k + 8, n, K, N), at(b, k + 9, n, K, N))};
-        mma16816<BF16>(d, fa, fb);
+        mma16816<BF16>(d, fa, fb[0], fb[1]);
     }
     const int col = n0 + 2 * t;
     if (r0 < M && col < N) c[(long long)r0 * N + col] = d[0];
@@ -177,7 +156,7 @@ template <bool BF16> __global__ void __launch_bounds__(32) mma_fragments(const u
     const unsigned fa[4] = {pack(pa[0], pa[1]), pack(pa[2], pa[3]), pack(pa[4], pa[5]), pack(pa[6], pa[7])};
     const unsigned fb[2] = {pack(pb[0], pb[1]), pack(pb[2], pb[3])};
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma16816<BF16>(d, fa, fb);
+    mma16816<BF16>(d, fa, fb[0], fb[1]);
     for (int i = 0; i < 4; ++i) c_frag[lane * 4 + i] = d[i];
 #else
     __trap();

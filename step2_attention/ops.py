@@ -208,7 +208,7 @@ MMA_DEFINES = {"V3_WARPS": MMA_V3_WARPS}
 MMA_KERNELS = tuple(f"{k}<{bf16}>" for k in ("mma_tile_v1", "mma_tile_v2", "mma_tile_v3", "mma_fragments")
                     for bf16 in ("false", "true"))        # the template instantiations the wrappers launch
 CU_DEFINES = {MMA_CU: MMA_DEFINES}                        # for tests/test_compile.py
-CU_TEMPLATES = {MMA_CU: MMA_KERNELS}
+CU_TEMPLATES = {MMA_CU: MMA_KERNELS}                      # and for get_kernel: one module for them all
 
 
 def mma_fragment_map(operand: str) -> np.ndarray:
@@ -290,7 +290,8 @@ def _mma_require(bf16: bool) -> None:
 def mma_kernel(version: int, bf16: bool = False):
     """mma_tile.cu's mma_tile_v<version> for fp16 (or bf16) inputs: what `mma_tile` launches."""
     expect_choice(version, "version", MMA_VERSIONS)
-    return get_kernel(MMA_CU, f"mma_tile_v{version}<{'true' if bf16 else 'false'}>", MMA_DEFINES)
+    return get_kernel(MMA_CU, f"mma_tile_v{version}<{'true' if bf16 else 'false'}>", MMA_DEFINES,
+                      templates=CU_TEMPLATES[MMA_CU])
 
 
 def mma_tile(a, b, version: int = 1, out=None):
@@ -339,5 +340,6 @@ def mma_fragments(a_frag, b_frag, out=None):
     b_frag = expect_array(b_frag, "b_frag", dtype=a_frag.dtype, shape=(32, 4))
     c = out_array(out, (32, 4))
     _mma_require(bf16)
-    get_kernel(MMA_CU, f"mma_fragments<{'true' if bf16 else 'false'}>", MMA_DEFINES)((1,), (32,), (a_frag, b_frag, c))
+    get_kernel(MMA_CU, f"mma_fragments<{'true' if bf16 else 'false'}>", MMA_DEFINES,
+               templates=CU_TEMPLATES[MMA_CU])((1,), (32,), (a_frag, b_frag, c))
     return c

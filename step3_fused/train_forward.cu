@@ -100,6 +100,7 @@ extern "C" __global__ void bias_relu(float* __restrict__ h, const float* __restr
 //   mode 0: loss only (evaluation): z is read once and left as it was.
 //   mode 1: loss and z <- dlogits = (softmax(z + bias) - onehot(target)) * scale (training).
 //   mode 2: z <- softmax(z + bias) (prediction); targets may be null, then no loss is written.
+// bias may be null (no bias: GPT's LM head).
 extern "C" __global__ void classifier_fused(float* z, const float* __restrict__ bias, const int* __restrict__ targets,
                                             float* __restrict__ loss, int cols, float scale, int mode) {
     __shared__ float scratch[32];
@@ -108,11 +109,11 @@ extern "C" __global__ void classifier_fused(float* z, const float* __restrict__ 
     const int t = targets ? targets[blockIdx.x] : -1;
     const bool valid = t >= 0 && t < cols;
     // Read the target's logit before anyone may overwrite the row (block_sum below has the barriers).
-    if (threadIdx.x == 0) z_target = valid ? zr[t] + bias[t] : NAN_F;
+    if (threadIdx.x == 0) z_target = valid ? zr[t] + (bias ? bias[t] : 0.0f) : NAN_F;
     // Online softmax: one pass keeps a running max m and a sum s of exp(z - m), rescaled when m grows.
     float m = __int_as_float(0xff800000), s = 0.0f;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = zr[i] + bias[i];
+        const float v = zr[i] + (bias ? bias[i] : 0.0f);
         if (v > m) { s *= expf(m - v); m = v; }
         s += expf(v - m);
     }
@@ -122,7 +123,7 @@ extern "C" __global__ void classifier_fused(float* z, const float* __restrict__ 
     if (threadIdx.x == 0 && targets) loss[blockIdx.x] = valid ? lse - z_target : NAN_F;
     if (mode == 0) return;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float p = expf(zr[i] + bias[i] - lse);
+        const float p = expf(zr[i] + (bias ? bias[i] : 0.0f) - lse);
         zr[i] = mode == 1 ? (valid ? (p - (i == t ? 1.0f : 0.0f)) * scale : NAN_F) : p;
     }
 }

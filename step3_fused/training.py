@@ -152,12 +152,13 @@ def classifier(z, bias, targets=None, mode: str = "grad", scale: float | None = 
 
     mode "grad": returns per-sample losses and overwrites z with (softmax(z + bias) - onehot) * scale
     (scale defaults to 1/B, the gradient of the mean loss); "loss": losses only, z untouched;
-    "probs": z <- softmax(z + bias), losses if targets are given.
+    "probs": z <- softmax(z + bias), losses if targets are given. bias=None: no bias.
     """
     expect_choice(mode, "mode", CLASSIFIER_MODES)
     z = expect_array(z, "z", dtype=np.float32, ndim=2)
     B, V = z.shape
-    bias = expect_array(bias, "bias", dtype=np.float32, shape=(V,))
+    if bias is not None:
+        bias = expect_array(bias, "bias", dtype=np.float32, shape=(V,))
     if targets is None and mode != "probs":
         raise ValueError(f"targets: needed for mode={mode!r}")
     t = None if targets is None else _targets(targets, B, V, check)
@@ -166,7 +167,7 @@ def classifier(z, bias, targets=None, mode: str = "grad", scale: float | None = 
         loss = out_array(losses, (B,), name="losses")
     if B and V:
         get_kernel(FWD, "classifier_fused")(
-            (B,), (_row_block(V),), (z, bias, t if t is not None else np.uint64(0),
+            (B,), (_row_block(V),), (z, bias if bias is not None else np.uint64(0), t if t is not None else np.uint64(0),
                                     loss if loss is not None else np.uint64(0), np.int32(V),
                                     np.float32(1.0 / B if scale is None else scale), np.int32(CLASSIFIER_MODES[mode])))
     return loss
@@ -476,10 +477,12 @@ class Model:
 # ============================================================================ training loops
 @dataclass
 class History:
-    steps: list = field(default_factory=list)        # step index of each train/val point
+    """A training run's loss curves (step 4b's Trainer.fit fills the same fields)."""
+    steps: list = field(default_factory=list)        # step index of each train-loss point
     train: list = field(default_factory=list)        # mean train loss since the previous point
     val: list = field(default_factory=list)
-    seconds: float = 0.0
+    val_steps: list = field(default_factory=list)    # step index of each val-loss point
+    seconds: float = 0.0                             # training time (evaluation excluded)
     tokens: int = 0
 
     @property
@@ -534,6 +537,7 @@ def train(model: Model, optimizer, train_data, val_data, steps: int, batch: int,
             hist.seconds += time.perf_counter() - t0
             hist.steps.append(i)
             hist.train.append(float(acc) / n_acc)
+            hist.val_steps.append(i)
             hist.val.append(evaluate(model, vctx, vt))
             acc, n_acc = cp.zeros((), cp.float32), 0
             bar.set_postfix(train=f"{hist.train[-1]:.3f}", val=f"{hist.val[-1]:.3f}")

@@ -60,9 +60,14 @@ def setup(seed: int = 0):
     return model, hf, d
 
 
-def _wall(fn, reps: int = 3) -> float:
-    """Median seconds of a whole generate() call, host clock (the caller's view: prefill, host loop and
-    token reads included), after one warm-up call; the device is idle before and after each call."""
+def random_ids(config, batch: int, length: int, seed: int = 0) -> np.ndarray:
+    """(batch, length) int32 token ids drawn uniformly from the vocabulary: prompts for random weights."""
+    return np.random.default_rng(seed).integers(0, config.vocab_size, (batch, length)).astype(np.int32)
+
+
+def wall_s(fn, reps: int = 3) -> float:
+    """Median seconds of one fn() call, host clock (the caller's view: of a whole generate(), the prefill, host
+    loop and token reads included), after one warm-up call; the device is idle before and after each call."""
     import cupy as cp
 
     def synced():
@@ -81,7 +86,7 @@ def hf_generate_s(hf, batch: int, n: int) -> float:
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                               do_sample=False, use_cache=True)
         assert out.shape[1] == len(PROMPT) + n
-    return _wall(run)
+    return wall_s(run)
 
 
 def ours_generate_s(model, batch: int, n: int, cuda_graph: bool = True, **options) -> float:
@@ -92,7 +97,7 @@ def ours_generate_s(model, batch: int, n: int, cuda_graph: bool = True, **option
     def run():
         gen = generate(model, [PROMPT] * batch, n, stop_at_eos=False, cuda_graph=cuda_graph, **options)
         assert len(gen.tokens[0]) == n
-    return _wall(run)
+    return wall_s(run)
 
 
 def decode_rows(model, hf) -> list[Row]:
@@ -146,7 +151,7 @@ def replay_ms(model, B: int, ctx: int, plan: str, version: int):
 
 def ab_rows(model) -> list[Row]:
     """Direct A/B of each decode choice: the step alone (graph replay) and whole generate() runs."""
-    from step4_gpt2.generate import ATTN_V1_MAX_LEN
+    from step4_gpt2.generate import attention_version_for
     from step4_gpt2.model import plan_for
     rows = []
     for B in (1, 8):
@@ -154,7 +159,7 @@ def ab_rows(model) -> list[Row]:
             ts = {(plan, v): replay_ms(model, B, ctx, plan, v) for plan in ("fused", "split") for v in (1, 2)}
             best = min(ts.values(), key=lambda t: t.median_ms)
             for (plan, v), t in ts.items():
-                chosen = plan == plan_for(B) and v == (1 if ctx + 1 <= ATTN_V1_MAX_LEN else 2)
+                chosen = plan == plan_for(B) and v == attention_version_for(ctx + 1)
                 r = Row.of(t, f"b={B}, {ctx} cached" + (" (chosen)" if chosen else ""), anchor=("best", best))
                 rows.append(r)
     variants = [("all choices on", {}),
@@ -177,7 +182,7 @@ def ab_rows(model) -> list[Row]:
 def prefill_rows(model, hf, B: int = 8, T: int = 1024) -> list[Row]:
     import cupy as cp
     from step4_gpt2.model import KVCache
-    idx = np.random.default_rng(0).integers(0, model.config.vocab_size, (B, T)).astype(np.int32)
+    idx = random_ids(model.config, B, T)
     cache = KVCache(model.config, B, T)
     last = np.full(B, T - 1)
     flops = 2 * B * T * (model.config.n_layer * 12 * model.config.n_embd ** 2)

@@ -22,6 +22,7 @@ import numpy as np
 
 from common.benchmarks import Row
 from common.timing import copy_bandwidth
+from step4_gpt2.benchmarks import random_ids, setup, wall_s
 
 STEPS = 32
 REPEATS = 3
@@ -29,23 +30,16 @@ CTXS = (32, 1000)
 BATCHES = (1, 8)
 
 
-def _ids(cfg, batch: int, ctx: int, seed: int = 0):
-    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, ctx)).astype(np.int32)
-
-
 def prompt_len(config, ctx: int) -> int:
     """The prompt length for a cache of about ctx rows: ctx, or less where ctx + STEPS new rows would not fit."""
     return min(ctx, config.block_size - STEPS - 1)
 
 
-def decoder(model, kind: str, batch: int, ctx: int, **options):
-    """A decoder of one rung of the ladder, sized for ctx prompt rows + STEPS new ones."""
-    from step4_gpt2.generate import Decoder
-    from step4_gpt2.megakernel import MegakernelDecoder
-    length = ctx + STEPS + 1
-    if kind in ("eager", "graph"):
-        return Decoder(model, batch, length, cuda_graph=kind == "graph", **options)
-    return MegakernelDecoder(model, batch, length, **options)
+def decoder(model, mode: str, batch: int, ctx: int, **options):
+    """A greedy decoder of one rung of the ladder (generate's mode "eager", "graph" or "megakernel"), sized
+    for ctx prompt rows + STEPS new ones, not kept on the model."""
+    from step4_gpt2.generate import make_decoder
+    return make_decoder(model, mode, batch, ctx + STEPS + 1, True, reuse=False, **options)
 
 
 def decode_s(dec, ids, steps: int = STEPS, repeats: int = REPEATS) -> float:
@@ -74,22 +68,12 @@ def hf_decode_s(hf, ids, steps: int = STEPS) -> float:
         with torch.no_grad():
             hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, use_cache=True)
-        torch.cuda.synchronize()
-
-    def wall(n):
-        gen(n)
-        ts = []
-        for _ in range(REPEATS):
-            t0 = time.perf_counter()
-            gen(n)
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
-    return max(wall(steps + 1) - wall(1), 1e-9) / steps
+    return max(wall_s(lambda: gen(steps + 1), REPEATS) - wall_s(lambda: gen(1), REPEATS), 1e-9) / steps
 
 
 LADDER = [("eager launches", "eager", {}), ("CUDA graph", "graph", {}),
-          ("megakernel v1", "mk", {"version": 1}), ("megakernel v2", "mk", {"version": 2}),
-          ("megakernel v2, all steps in one launch", "mk", {"version": 2, "steps_per_launch": STEPS})]
+          ("megakernel v1", "megakernel", {"version": 1}), ("megakernel v2", "megakernel", {"version": 2}),
+          ("megakernel v2, all steps in one launch", "megakernel", {"version": 2, "steps_per_launch": STEPS})]
 
 
 def ladder(model, hf=None, batches=BATCHES, ctxs=CTXS) -> tuple[list[Row], dict]:
@@ -100,11 +84,11 @@ def ladder(model, hf=None, batches=BATCHES, ctxs=CTXS) -> tuple[list[Row], dict]
     for B in batches:
         for ctx in ctxs:
             ctx = prompt_len(model.config, ctx)
-            ids = _ids(model.config, B, ctx)
+            ids = random_ids(model.config, B, ctx)
             size = f"124M, b={B}, ctx {ctx}"
             per = {}
-            for label, kind, opts in LADDER:
-                dec = decoder(model, kind, B, ctx, **opts)
+            for label, mode, opts in LADDER:
+                dec = decoder(model, mode, B, ctx, **opts)
                 per[label] = decode_s(dec, ids) / STEPS
                 del dec
             if hf is not None:
@@ -137,10 +121,10 @@ def ladder(model, hf=None, batches=BATCHES, ctxs=CTXS) -> tuple[list[Row], dict]
 def knob_rows(model, ctx: int = 32) -> list[Row]:
     """v2 at batch 1 with other block sizes / loads in flight per lane (each a separate compile)."""
     rows = []
-    ids = _ids(model.config, 1, ctx)
+    ids = random_ids(model.config, 1, ctx)
     base = None
     for threads, unroll in ((384, 3), (512, 3), (384, 4)):
-        s = decode_s(decoder(model, "mk", 1, ctx, version=2, threads=threads, unroll=unroll), ids) / STEPS
+        s = decode_s(decoder(model, "megakernel", 1, ctx, version=2, threads=threads, unroll=unroll), ids) / STEPS
         base = base or s
         rows.append(Row(f"megakernel v2 threads={threads} unroll={unroll}", f"124M, b=1, ctx {ctx}", s * 1e3,
                         1 / s, "tok/s", anchor="threads=384 unroll=3", ratio=base / s))
@@ -154,7 +138,7 @@ def timeline(model, version: int, batch: int = 1, ctx: int = 32, steps: int = 1)
     import cupy as cp
     dec = MegakernelDecoder(model, batch, ctx + 2 * steps + 2, version=version, timeline=True,
                             steps_per_launch=steps)
-    ids = _ids(model.config, batch, ctx)
+    ids = random_ids(model.config, batch, ctx)
     dec.prefill(ids, [ctx] * batch)
     for _ in range(2):                      # the second launch is the one kept (warm caches, compiled)
         dec.launch(steps)
@@ -179,7 +163,6 @@ def timeline_rows(model) -> list[Row]:
 
 
 def run() -> list[Row]:
-    from step4_gpt2.benchmarks import setup
     model, hf, _ = setup()
     rows, _ = ladder(model, hf)
     rows += knob_rows(model)

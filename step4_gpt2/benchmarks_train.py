@@ -288,13 +288,10 @@ def gradient_check(B_: int = 4, seed: int = 1) -> list[tuple]:
     import cupy as cp
     torch = torch_cuda()
     from step4_gpt2 import train_torch as TT
-    from step4_gpt2.train import TrainGPT, init_params
+    from step4_gpt2.train import TrainGPT
+    from step4_gpt2.weights import random_weights
     cfg = _config()
-    P = init_params(cfg, seed)
-    rng = np.random.default_rng(seed)
-    for k in P:                                   # random biases and LayerNorm parameters
-        if k.endswith("bias") or ".ln_" in k or k.startswith("ln_"):
-            P[k] = (P[k] + 0.1 * rng.standard_normal(P[k].shape)).astype(np.float32)
+    P = random_weights(cfg, seed, notice=False)   # random biases and LayerNorm parameters too
     x, y = _batches(1, batch=B_, seed=seed)[0]
     m = TrainGPT(cfg, P)
     m.loss_and_grads(cp.asarray(x), cp.asarray(y))
@@ -314,9 +311,8 @@ def gradient_check(B_: int = 4, seed: int = 1) -> list[tuple]:
     return [(g, *e) for g, e in groups.items()]
 
 
-def run() -> list[Row]:
-    return train_throughput_rows() + train_breakdown_rows() + train_attention_rows()
-
+def run(compile_torch: bool = True) -> list[Row]:
+    return train_throughput_rows(compile_torch=compile_torch) + train_breakdown_rows() + train_attention_rows()
 
 
 def report(directory, quality_steps: int = 600, compile_torch: bool = True) -> str:
@@ -388,4 +384,4 @@ if __name__ == "__main__":
         print(report(args.report, args.quality_steps, not args.no_compile))
     else:
         from common.benchmarks import table
-        print(table(train_throughput_rows(compile_torch=not args.no_compile) + train_breakdown_rows() + train_attention_rows()))
+        print(table(run(compile_torch=not args.no_compile)))

@@ -40,6 +40,13 @@ PIPELINE_DEPTH = 2       # greedy decode steps queued ahead of the host's token 
 ATTN_V1_MAX_LEN = 128    # step 2's decode_attention v1 (one launch) up to this many cached rows, then v2
 
 
+def attention_version_for(rows: int, v1_max_len: int | None = ATTN_V1_MAX_LEN, version: int = 2) -> int:
+    """Step 2's decode_attention version for a step whose longest sequence has `rows` cache rows: v1 (one
+    launch) while the cache is short (up to v1_max_len rows; None: never), then `version` (2: split-K +
+    combine) once it is long."""
+    return 1 if v1_max_len is not None and rows <= v1_max_len else version
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     if not (temperature >= 0 and np.isfinite(temperature)):
         raise ValueError(f"temperature: expected a finite number >= 0 (0 = greedy), got {temperature!r}")
@@ -117,11 +124,20 @@ def _prompts(prompts) -> list[list[int]]:
     return out
 
 
+def pad_prompts(prompts) -> np.ndarray:
+    """Token id lists of different lengths as one (B, longest) int32 batch, each right-padded with zeros:
+    causal attention never lets a real token see the padding after it."""
+    padded = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    return padded
+
+
 class Decoder:
     """Decodes one batch on the course's kernels: owns the decode state (KV cache and every buffer of a
     step, allocated once), the stream, the CUDA graphs (one per attention version) and the pipelining.
 
-    The interface generate() uses; another decoder (step4_gpt2.megakernel.MegakernelDecoder) provides the same:
+    The interface generate() uses (step4_gpt2.megakernel.MegakernelDecoder subclasses it, with its own step):
       Decoder(model, batch, length, greedy, **options)   allocate everything: `length` cache rows per sequence
       .mode, .batch, .length, .greedy                     what it is and what it was built for
       .prefill(ids, lens, choose=None) -> np.int32 (B,)   run the prompts (ids: (B, T) int32 NumPy, right-padded;
@@ -142,33 +158,42 @@ class Decoder:
                  plan: str | None = None, attention_version: int = 2,
                  attention_v1_max_len: int | None = ATTN_V1_MAX_LEN, pipeline_depth: int = PIPELINE_DEPTH):
         require_gpu()
-        import cupy as cp
-        from step4_gpt2.model import PLANS, DecodeState, plan_for
+        from step4_gpt2.model import PLANS, plan_for
         if not isinstance(pipeline_depth, (int, np.integer)) or pipeline_depth < 1:
             raise ValueError(f"pipeline_depth: expected an integer >= 1, got {pipeline_depth!r}")
-        self.model, self.batch, self.length, self.greedy = model, batch, length, greedy
         self.mode = "graph" if cuda_graph else "eager"
         self.plan = expect_choice(plan or plan_for(batch), "plan", PLANS)
         self.attention_version = expect_choice(attention_version, "attention_version", (1, 2))
         self.attention_v1_max_len = attention_v1_max_len
+        self.graphs: dict = {}        # attention version -> CUDA graph of one step
+        self.warmed = False           # one eager step has run (kernels compiled, workspaces allocated)
+        self._allocate(model, batch, length, greedy, pipeline_depth)
+
+    def _allocate(self, model, batch: int, length: int, greedy: bool, pipeline_depth: int) -> None:
+        """What every decoder has, whatever runs its steps: the decode state (KV cache, tokens, positions,
+        logits) and the stream its work is queued on."""
+        import cupy as cp
+        from step4_gpt2.model import DecodeState
+        self.model, self.batch, self.length, self.greedy = model, int(batch), int(length), bool(greedy)
         self.pipeline_depth = int(pipeline_depth)
         self.state = DecodeState(model.config, batch, length)
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.graphs: dict = {}        # attention version -> CUDA graph of one step
-        self.warmed = False           # one eager step has run (kernels compiled, workspaces allocated)
         self.info: dict = {}
-        self._rows = 0                # cache rows of the longest sequence after the last enqueued step
+        self._rows = None             # cache rows of the longest sequence after the last enqueued step
 
-    def attention_version_for(self, rows: int) -> int:
-        """Step 2's decode_attention version for a step whose longest sequence has `rows` cache rows:
-        v1 (one launch) while the cache is short, v2 (split-K + combine) once it is long."""
-        lim = self.attention_v1_max_len
-        return 1 if lim is not None and rows <= lim else self.attention_version
+    def _info(self) -> dict:
+        """A fresh Generation.info for the next call (its steps add the attention versions they run)."""
+        return {"mode": self.mode, "plan": self.plan, "attention_versions": set()}
 
     def prefill(self, ids, lens, choose=None) -> np.ndarray:
         import cupy as cp
+        if len(lens) != self.batch:
+            raise ValueError(f"lens: this decoder was built for batch {self.batch}, got {len(lens)} prompts")
+        if max(lens) > self.length:
+            raise ValueError(f"lens: prompts of up to {max(lens)} tokens need a cache of at least that many rows; "
+                             f"this decoder holds {self.length}")
         s = self.state
-        self.info = {"mode": self.mode, "plan": self.plan, "attention_versions": set()}
+        self.info = self._info()
         self._rows = max(lens)
         with self.stream:
             logits = self.model.forward(ids, cache=s.cache, last=np.asarray(lens) - 1)
@@ -181,12 +206,23 @@ class Decoder:
         if (choose is None) != self.greedy:
             raise ValueError(f"choose: this decoder was built for greedy={self.greedy}; "
                              f"pass choose={'None' if self.greedy else 'a sampler'}")
+        if not isinstance(n_steps, (int, np.integer)) or n_steps < 0:
+            raise ValueError(f"n_steps: expected an integer >= 0, got {n_steps!r}")
+        self._check_room(n_steps, "n_steps", "decode")
         try:
-            yield from (self._pipelined(n_steps) if self.greedy else self._sampled(n_steps, choose))
+            yield from (self._pipelined(int(n_steps)) if self.greedy else self._sampled(int(n_steps), choose))
         finally:
             self.stream.synchronize()      # nothing may still run when the state is reused
 
     # ------------------------------------------------------------------ inside
+    def _check_room(self, n: int, name: str, caller: str) -> None:
+        """After a prefill, the cache has room for n more steps past those already queued."""
+        if self._rows is None:
+            raise ValueError(f"{caller}: call prefill() first (it fills the cache and sets the positions)")
+        if self._rows + n > self.length:           # a step would append past the cache
+            raise ValueError(f"{name}: {n} more steps after {self._rows} cached rows need {self._rows + n} "
+                             f"cache rows; this decoder holds {self.length}")
+
     def _choose(self, logits, choose) -> None:
         import cupy as cp
         if choose is None:
@@ -199,7 +235,7 @@ class Decoder:
         which compiles and warms every kernel, then captures the graph: recorded, not run)."""
         s, m = self.state, self.model
         self._rows += 1
-        version = self.attention_version_for(self._rows)
+        version = attention_version_for(self._rows, self.attention_v1_max_len, self.attention_version)
         self.info["attention_versions"].add(version)
         step = lambda: m.decode_step(s, greedy=self.greedy, attention_version=version, plan=self.plan)  # noqa: E731
         graph = self.mode == "graph"
@@ -328,9 +364,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
             raise ValueError(f"prompts[{i}]: {n} prompt tokens + max_new_tokens={max_new_tokens} need "
                              f"{n + max_new_tokens - 1} positions, more than the context length "
                              f"block_size={cfg.block_size}; shorten the prompt or ask for fewer tokens")
-    padded = np.zeros((B, max(lens)), np.int32)
-    for i, p in enumerate(prompts):
-        padded[i, :len(p)] = p
+    padded = pad_prompts(prompts)
     model.check_tokens(padded, "prompts")                     # ids in range, before any GPU work
     rng = np.random.default_rng(seed)
     greedy = temperature == 0
@@ -381,10 +415,7 @@ def _generate_without_cache(model, prompts, max_new_tokens, choose, record, gen)
     gen.mode = "no cache"
     t0 = time.perf_counter()
     for step in range(max_new_tokens):
-        cur = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
-        for i, s in enumerate(seqs):
-            cur[i, :len(s)] = s
-        logits = model.forward(cur, last=np.array([len(s) - 1 for s in seqs]))
+        logits = model.forward(pad_prompts(seqs), last=np.array([len(s) - 1 for s in seqs]))
         host = (ops.argmax(logits, tokens) if choose is None else choose(logits)).get()
         if step == 0:
             gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()

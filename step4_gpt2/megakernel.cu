@@ -374,44 +374,59 @@ __device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __rest
 }
 
 // ------------------------------------------------------------------------------------------ prologues
-// xs (NB x C) = LayerNorm(x) rows, a warp per row (two passes over the row in shared memory). With
+// xs (NB x C) = LayerNorm(x) rows, a warp per row (the row stays in registers: one round trip). With
 // `embed`, x is first made from the token and position embeddings, and block 0 stores it as the residual.
 __device__ void ln_rows(const float* x, const float* __restrict__ g, const float* __restrict__ bt, float* xs,
                         bool embed, const float* __restrict__ wte, const float* __restrict__ wpe,
                         const int* stok, const int* spos, float* xout) {
-    constexpr int C4 = C / 4;
+    constexpr int C4 = C / 4, PER = (C4 + 31) / 32;            // float4 per lane: all loads issued at once
     const int lane = threadIdx.x % 32, b = threadIdx.x / 32;
     if (b < NB) {
         float4* sr = reinterpret_cast<float4*>(xs) + b * C4;
         const float4* x4 = reinterpret_cast<const float4*>(x) + b * C4;
-        float sum = 0.0f;
-        for (int k = lane; k < C4; k += 32) {
-            float4 v;
-            if (embed) {
-                const float4 a = __ldg(reinterpret_cast<const float4*>(wte) + (long long)stok[b] * C4 + k);
-                const float4 p = __ldg(reinterpret_cast<const float4*>(wpe) + (long long)spos[b] * C4 + k);
-                v = make_float4(a.x + p.x, a.y + p.y, a.z + p.z, a.w + p.w);
-                if (blockIdx.x == 0) reinterpret_cast<float4*>(xout)[b * C4 + k] = v;
-            } else {
-                v = __ldcg(x4 + k);
+        const float4* g4 = reinterpret_cast<const float4*>(g);
+        const float4* b4 = reinterpret_cast<const float4*>(bt);
+        float4 v[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int k = lane + 32 * i;
+            if (k < C4) {
+                if (embed) {
+                    const float4 a = __ldg(reinterpret_cast<const float4*>(wte) + (long long)stok[b] * C4 + k);
+                    const float4 p = __ldg(reinterpret_cast<const float4*>(wpe) + (long long)spos[b] * C4 + k);
+                    v[i] = make_float4(a.x + p.x, a.y + p.y, a.z + p.z, a.w + p.w);
+                } else {
+                    v[i] = __ldcg(x4 + k);
+                }
             }
-            sr[k] = v;
-            sum += (v.x + v.y) + (v.z + v.w);
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int k = lane + 32 * i;
+            if (k < C4) {
+                if (embed && blockIdx.x == 0) reinterpret_cast<float4*>(xout)[b * C4 + k] = v[i];
+                sum += (v[i].x + v[i].y) + (v[i].z + v[i].w);
+            }
         }
         const float mean = warp_sum(sum) / C;
         float ss = 0.0f;
-        for (int k = lane; k < C4; k += 32) {
-            const float4 v = sr[k];
-            const float a = v.x - mean, c = v.y - mean, d = v.z - mean, f = v.w - mean;
-            ss += (a * a + c * c) + (d * d + f * f);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            if (lane + 32 * i < C4) {
+                const float a = v[i].x - mean, c = v[i].y - mean, d = v[i].z - mean, f = v[i].w - mean;
+                ss += (a * a + c * c) + (d * d + f * f);
+            }
         }
         const float rstd = rsqrtf(warp_sum(ss) / C + MK_EPS);
-        const float4* g4 = reinterpret_cast<const float4*>(g);
-        const float4* b4 = reinterpret_cast<const float4*>(bt);
-        for (int k = lane; k < C4; k += 32) {
-            const float4 v = sr[k], gg = __ldg(g4 + k), bb = __ldg(b4 + k);
-            sr[k] = make_float4((v.x - mean) * rstd * gg.x + bb.x, (v.y - mean) * rstd * gg.y + bb.y,
-                                (v.z - mean) * rstd * gg.z + bb.z, (v.w - mean) * rstd * gg.w + bb.w);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int k = lane + 32 * i;
+            if (k < C4) {
+                const float4 gg = __ldg(g4 + k), bb = __ldg(b4 + k);
+                sr[k] = make_float4((v[i].x - mean) * rstd * gg.x + bb.x, (v[i].y - mean) * rstd * gg.y + bb.y,
+                                    (v[i].z - mean) * rstd * gg.z + bb.z, (v[i].w - mean) * rstd * gg.w + bb.w);
+            }
         }
     }
     __syncthreads();
@@ -445,16 +460,31 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
     const int h = u / (NB * nch), b = (u / nch) % NB, c = u % nch;
     const int len = slens[b], t0 = c * CL, t1 = min(len, t0 + CL);
     const float scale = rsqrtf((float)HD);
-    for (int d = lane; d < HD; d += 32) sq[d] = __ldcg(q + b * C + h * HD + d) * scale;
-    __syncwarp();
     const float4* K4 = reinterpret_cast<const float4*>(kc + ((long long)b * NH + h) * L * HD);
     const float* Vh = vc + ((long long)b * NH + h) * L * HD;
     const float4* q4 = reinterpret_cast<const float4*>(sq);
+    // The unit is a chain of dependent L2 round trips (a few hundred ns each), and the next stage waits for
+    // its end: so every load that does not depend on another is issued at once. q and this lane's whole
+    // key row go out together; then the next row is in flight while this one is scored.
+    float qv[OPL];
+#pragma unroll
+    for (int j = 0; j < OPL; ++j) qv[j] = __ldcg(q + b * C + h * HD + lane + 32 * j);
+    float4 kr[HD4];
+    int t = t0 + lane;
+#pragma unroll
+    for (int d4 = 0; d4 < HD4; ++d4) kr[d4] = t < t1 ? __ldcg(K4 + (long long)t * HD4 + d4) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < OPL; ++j) sq[lane + 32 * j] = qv[j] * scale;
+    __syncwarp();
     float m = __int_as_float(0xff800000);
-    for (int t = t0 + lane; t < t1; t += 32) {
+    for (; t < t1; t += 32) {
         float s = 0.0f;
-#pragma unroll 4                                          // full unrolling costs registers (spills)
-        for (int d4 = 0; d4 < HD4; ++d4) s += dot4(__ldcg(K4 + (long long)t * HD4 + d4), q4[d4]);
+#pragma unroll
+        for (int d4 = 0; d4 < HD4; ++d4) s += dot4(kr[d4], q4[d4]);
+        if (t + 32 < t1) {
+#pragma unroll
+            for (int d4 = 0; d4 < HD4; ++d4) kr[d4] = __ldcg(K4 + (long long)(t + 32) * HD4 + d4);
+        }
         sp[t - t0] = s;
         m = fmaxf(m, s);
     }
@@ -470,21 +500,32 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
     float o[OPL];
 #pragma unroll
     for (int j = 0; j < OPL; ++j) o[j] = 0.0f;
+    constexpr int VB = 16;                                      // value rows in flight per lane
     int i = 0;
-    for (; i + 4 <= t1 - t0; i += 4) {                           // 4 rows' loads in flight per lane
-        float vv[4][OPL];
+    for (; i + VB <= t1 - t0; i += VB) {
+        float vv[VB][OPL];
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
+        for (int a = 0; a < VB; ++a)
 #pragma unroll
             for (int j = 0; j < OPL; ++j) vv[a][j] = __ldcg(Vh + (long long)(t0 + i + a) * HD + lane + 32 * j);
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
+        for (int a = 0; a < VB; ++a)
 #pragma unroll
             for (int j = 0; j < OPL; ++j) o[j] += sp[i + a] * vv[a][j];
     }
-    for (; i < t1 - t0; ++i)
+    if (i < t1 - t0) {                                          // the tail, also all at once (zeros past it)
+        float vv[VB][OPL];
 #pragma unroll
-        for (int j = 0; j < OPL; ++j) o[j] += sp[i] * __ldcg(Vh + (long long)(t0 + i) * HD + lane + 32 * j);
+        for (int a = 0; a < VB; ++a)
+#pragma unroll
+            for (int j = 0; j < OPL; ++j) vv[a][j] = i + a < t1 - t0 ? __ldcg(Vh + (long long)(t0 + i + a) * HD + lane + 32 * j) : 0.0f;
+#pragma unroll
+        for (int a = 0; a < VB; ++a)
+            if (i + a < t1 - t0) {
+#pragma unroll
+                for (int j = 0; j < OPL; ++j) o[j] += sp[i + a] * vv[a][j];
+            }
+    }
     float* P = partial + ((long long)(b * NH + h) * nch + c) * (HD + 2);
     if (lane == 0) { P[0] = m; P[1] = l; }                      // an empty chunk: m = -inf, l = 0, o = 0
 #pragma unroll
@@ -507,6 +548,7 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
     float Ls = 0.0f, acc[OPL];
 #pragma unroll
     for (int j = 0; j < OPL; ++j) acc[j] = 0.0f;
+#pragma unroll 4                                           // four chunks' loads in flight
     for (int cc = 0; cc < nch; ++cc) {
         const float* Pc = P0 + cc * (HD + 2);
         const float mc = __ldcg(Pc);

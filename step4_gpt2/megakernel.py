@@ -6,9 +6,9 @@
         ...
     generate(model, prompts, 200, mode="megakernel")             # the same through generate()
 
-The interface is generate.Decoder's: `MegakernelDecoder(model, batch, length, greedy, **options)`, `.mode`,
-`.batch`, `.length`, `.greedy`, `.prefill(ids, lens, choose=None)`, `.decode(n_steps, choose=None)`, `.info`,
-and `MegakernelDecoder.preferred(model, batch, length, greedy)` for mode="auto". Options:
+MegakernelDecoder is a generate.Decoder (its interface, prefill, argument checks and token choice, its decode
+state and stream) whose steps are launches of this kernel; `MegakernelDecoder.preferred(model, batch, length,
+greedy)` answers mode="auto". Options:
   version          1: a grid-wide barrier before every stage; 2: counters + weight prefetch (default)
   steps_per_launch greedy steps one launch runs (the kernel feeds its own argmax to the next step); 1 =
                    one launch per token, the host queues them ahead (pipeline_depth)
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import allow_dynamic_smem, device_info, expect_choice, get_kernel, require_gpu
+from common import allow_dynamic_smem, device_info, expect_choice, get_kernel, occupancy, require_gpu
+from step4_gpt2.generate import PIPELINE_DEPTH, Decoder
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "megakernel.cu"
@@ -83,28 +84,19 @@ def smem_bytes(config, batch: int, threads: int = THREADS) -> int:
     return 4 * (batch * 4 * config.n_embd + 2 * warps * ROWS * batch + warps * config.head_dim + warps * ATT_MAXCL)
 
 
-def _resident_blocks_per_sm(fn, threads: int, smem: int) -> int:
-    """Blocks of fn the driver can keep resident on one SM (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
-    from cupy.cuda import driver
-    func = getattr(getattr(fn, "kernel", None), "ptr", None)
-    if func is None:      # a CuPy without RawKernel.kernel: the course's calculator (same arithmetic)
-        from common import occupancy
-        return int(occupancy(fn, threads, smem)["blocks_per_sm"])
-    return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(func, threads, smem))
-
-
-class MegakernelDecoder:
-    """Decodes one batch with megakernel.cu: one launch runs every layer of a step (or several steps)."""
+class MegakernelDecoder(Decoder):
+    """Decodes one batch with megakernel.cu: one launch runs every layer of a step (or several steps).
+    Decoder's prefill and checks; its own launches, pipelining and sampling loop (the kernel advances the
+    positions itself and reports a timeout in an error flag)."""
 
     mode = "megakernel"
 
     def __init__(self, model, batch: int, length: int, greedy: bool = True, version: int = 2,
                  steps_per_launch: int = 1, blocks_per_sm: int = 1, threads: int = THREADS, unroll: int = UNROLL,
                  timeout_s: float = TIMEOUT_S, timeline: bool = False, max_blocks: int | None = None,
-                 pipeline_depth: int = 2):
+                 pipeline_depth: int = PIPELINE_DEPTH):
         require_gpu()
         import cupy as cp
-        from step4_gpt2.model import KVCache
         cfg = model.config
         reason = unsupported_reason(cfg, batch)
         if reason:
@@ -125,9 +117,8 @@ class MegakernelDecoder:
         if not greedy and steps_per_launch != 1:
             raise ValueError("steps_per_launch: sampling (greedy=False) chooses each token on the host, "
                              "so it needs steps_per_launch=1")
-        self.model, self.batch, self.length, self.greedy = model, int(batch), int(length), bool(greedy)
         self.version, self.steps_per_launch, self.threads = version, int(steps_per_launch), threads
-        self.timeout_ns, self.timeline, self.pipeline_depth = int(timeout_s * 1e9), bool(timeline), int(pipeline_depth)
+        self.timeout_ns, self.timeline = int(timeout_s * 1e9), bool(timeline)
 
         self.fn = get_kernel(SOURCE, KERNEL, defines(cfg, batch, version, timeline, threads, unroll))
         self.smem = smem_bytes(cfg, batch, threads)
@@ -135,7 +126,7 @@ class MegakernelDecoder:
             allow_dynamic_smem(self.fn, self.smem, f"batch={batch}: the megakernel's stage inputs")
         except ValueError as e:
             raise MegakernelUnavailable(str(e)) from None
-        per_sm = _resident_blocks_per_sm(self.fn, threads, self.smem)
+        per_sm = int(occupancy(self.fn, threads, self.smem)["blocks_per_sm"])
         d = device_info()
         if per_sm < 1:
             raise MegakernelUnavailable(
@@ -147,12 +138,10 @@ class MegakernelDecoder:
             self.grid = min(self.grid, int(max_blocks))
         self.resident_per_sm = per_sm
 
+        self._allocate(model, batch, length, greedy, pipeline_depth)
         B, C, H, D, L = self.batch, cfg.n_embd, cfg.n_head, cfg.head_dim, self.length
-        self.cache = KVCache(cfg, B, L)
         warps = self.grid * (threads // 32)
         self.nch = max(-(-L // ATT_MAXCL), min(-(-L // 32), max(1, warps // (B * H))))
-        self.tokens, self.pos, self.lens = cp.zeros(B, cp.int32), cp.zeros(B, cp.int32), cp.ones(B, cp.int32)
-        self.logits = cp.empty((B, cfg.vocab_size), cp.float32)
         self.work = cp.zeros(B * C * 3 + B * 4 * C + B * H * self.nch * (D + 2), cp.float32)
         self.sync = cp.zeros(SYNC_FIXED + H + B * H, cp.uint32)
         self.amax = cp.zeros(B, cp.uint64)
@@ -160,18 +149,16 @@ class MegakernelDecoder:
         ptrs = []
         for i, blk in enumerate(model.h):
             ptrs += [blk.ln_1[0], blk.ln_1[1], blk.c_attn, blk.c_attn_b, blk.c_proj, blk.c_proj_b, blk.ln_2[0],
-                     blk.ln_2[1], blk.c_fc, blk.c_fc_b, blk.mlp_proj, blk.mlp_proj_b, self.cache.k[i], self.cache.v[i]]
+                     blk.ln_2[1], blk.c_fc, blk.c_fc_b, blk.mlp_proj, blk.mlp_proj_b, self.state.cache.k[i],
+                     self.state.cache.v[i]]
         if len(ptrs) != cfg.n_layer * LW_COUNT:
             raise RuntimeError("megakernel: the layer pointer table does not match megakernel.cu's LW_COUNT")
         self.ptrs = cp.asarray(np.array([a.data.ptr for a in ptrs], np.uint64))
         self._keep = ptrs                       # the table holds raw addresses: keep the arrays alive
         self.epoch = 0                          # steps run on these counters (v2 targets)
         self.barriers = 0                       # v1: barrier arrivals so far (the counter's value)
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        cp.cuda.runtime.deviceSynchronize()     # the zeroed buffers exist before a launch on self.stream
+        cp.cuda.runtime.deviceSynchronize()     # its zeroed buffers and table exist before a launch on self.stream
         self.last_timeline = None
-        self._rows = None                       # cache rows of the longest sequence after the queued steps
-        self.info: dict = {}
 
     # ------------------------------------------------------------------ mode="auto"
     @staticmethod
@@ -185,50 +172,20 @@ class MegakernelDecoder:
             if smem > device_info()["shared_per_block_optin"]:
                 return False
             allow_dynamic_smem(fn, smem, "megakernel")
-            return _resident_blocks_per_sm(fn, THREADS, smem) >= 1
+            return occupancy(fn, THREADS, smem)["blocks_per_sm"] >= 1
         except MegakernelUnavailable:
             return False
 
     # ------------------------------------------------------------------ the Decoder interface
-    def prefill(self, ids, lens, choose=None) -> np.ndarray:
-        """The prompts (B, T) right-padded, lens each prompt's length: the model's prefill fills the cache;
-        returns the first new token of each sequence."""
-        import cupy as cp
-        from step4_gpt2 import ops
-        if len(lens) != self.batch:
-            raise ValueError(f"lens: this decoder was built for batch {self.batch}, got {len(lens)} prompts")
-        if max(lens) > self.length:
-            raise ValueError(f"lens: prompts of up to {max(lens)} tokens need a cache of at least that many rows; "
-                             f"this decoder holds {self.length}")
-        self._rows = max(lens)
-        self.info = {"mode": self.mode, "version": self.version, "grid": self.grid,
-                     "steps_per_launch": self.steps_per_launch}
-        with self.stream:
-            logits = self.model.forward(ids, cache=self.cache, last=np.asarray(lens) - 1)
-            self.pos[...] = cp.asarray(np.asarray(lens, np.int32))
-            self.lens[...] = self.pos + 1
-            if choose is None:
-                ops.argmax(logits, self.tokens)
-            else:
-                self.tokens[...] = cp.asarray(choose(logits)).astype(cp.int32)
-            return self.tokens.get()
+    def _info(self) -> dict:
+        return {"mode": self.mode, "version": self.version, "grid": self.grid,
+                "steps_per_launch": self.steps_per_launch}
 
     def decode(self, n_steps: int, choose=None):
-        """Each step's tokens, np.int32 (B,), as soon as they are read back."""
-        if (choose is None) != self.greedy:
-            raise ValueError(f"choose: this decoder was built for greedy={self.greedy}; "
-                             f"pass choose={'None' if self.greedy else 'a sampler'}")
-        if not isinstance(n_steps, (int, np.integer)) or n_steps < 0:
-            raise ValueError(f"n_steps: expected an integer >= 0, got {n_steps!r}")
-        if self._rows is None:
-            raise ValueError("decode: call prefill() first (it fills the cache and sets the positions)")
-        if self._rows + n_steps > self.length:
-            raise ValueError(f"n_steps: {n_steps} steps after {self._rows} cached rows need {self._rows + n_steps} "
-                             f"cache rows; this decoder holds {self.length}")
+        """Decoder.decode; a timeout inside the kernel raises MegakernelTimeout once the stream is idle."""
         try:
-            yield from (self._pipelined(int(n_steps)) if self.greedy else self._sampled(int(n_steps), choose))
+            yield from super().decode(n_steps, choose)
         finally:
-            self.stream.synchronize()
             self.check()
 
     # ------------------------------------------------------------------ launching
@@ -239,11 +196,7 @@ class MegakernelDecoder:
         import cupy as cp
         if not isinstance(nsteps, (int, np.integer)) or nsteps < 1:
             raise ValueError(f"nsteps: expected an integer >= 1, got {nsteps!r}")
-        if self._rows is None:
-            raise ValueError("launch: call prefill() first (it fills the cache and sets the positions)")
-        if self._rows + nsteps > self.length:     # the kernel would append past the cache
-            raise ValueError(f"nsteps: {nsteps} more steps after {self._rows} cached rows need {self._rows + nsteps} "
-                             f"cache rows; this decoder holds {self.length}")
+        self._check_room(nsteps, "nsteps", "launch")
         self._rows += int(nsteps)
         timeline = None
         if self.timeline:
@@ -251,9 +204,9 @@ class MegakernelDecoder:
             with self.stream:                   # zeroed on the stream the kernel then runs on
                 timeline = cp.zeros((self.grid, nsteps * per_step, 3), cp.uint64)
             self.last_timeline = timeline
-        w = self.model
-        args = (self.ptrs, w.wte, w.wpe, w.ln_f[0], w.ln_f[1], self.tokens, self.pos, self.lens, self.work, self.sync,
-                self.amax, self.logits, out_tokens if out_tokens is not None else np.uint64(0), np.int32(self.length),
+        w, s = self.model, self.state
+        args = (self.ptrs, w.wte, w.wpe, w.ln_f[0], w.ln_f[1], s.tokens, s.pos, s.lens, self.work, self.sync,
+                self.amax, s.logits, out_tokens if out_tokens is not None else np.uint64(0), np.int32(self.length),
                 np.int32(self.nch), np.int32(nsteps), np.uint32(self.epoch % 2**32),
                 np.uint32(self.barriers % 2**32), np.int64(self.timeout_ns), np.int32(stall_block), self.err,
                 timeline if timeline is not None else np.uint64(0))
@@ -313,12 +266,12 @@ class MegakernelDecoder:
                 yield ring[s, j].copy()
 
     def _sampled(self, n_steps: int, choose):
-        import cupy as cp
+        s = self.state
         for _ in range(n_steps):
             with self.stream:
                 self.launch(1)                       # the kernel advances pos/lens; its argmax is replaced
-                self.tokens[...] = cp.asarray(choose(self.logits)).astype(cp.int32)
-                host = self.tokens.get()
+                self._choose(s.logits, choose)
+                host = s.tokens.get()
             self.check()
             yield host
 

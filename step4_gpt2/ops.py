@@ -62,7 +62,7 @@ def defines(rows: int = ROWS, unroll: int = V5_UNROLL) -> dict:
 def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL):
     """Kernel `name` of gpt2.cu compiled with these constants (common.get_kernel: cached). `name` is an
     extern "C" kernel or an instantiation of a templated one, e.g. "gemv_v5<EPI_BIAS_GELU, true>"."""
-    return get_kernel(CU, name, defines(rows, unroll))
+    return get_kernel(CU, name, defines(rows, unroll), templates=CU_TEMPLATES[CU])
 
 
 def _index_vector(a, name: str, n: int):
@@ -139,7 +139,7 @@ def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unrol
     if ln and nb > 2:      # every block re-reads and normalises all nb rows: amortise it over more tiles
         blocks_per_sm = min(blocks_per_sm, V5_LN_BLOCKS_PER_SM)
     per_sm = max(1, min(blocks_per_sm, _resident(fn, 32 * warps, smem)))
-    return launch_grid(N, rows, max_blocks=device_info()["multiprocessors"] * per_sm), (32 * warps,), smem
+    return launch_grid(N, rows, per_sm=per_sm), (32 * warps,), smem
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,8 +158,7 @@ def _v5_rows_per_launch(fn, K: int, ln: bool) -> int:
     return max(1, min(MAXB, room // (4 * K)))
 
 
-def _v5_call(name, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL):
-    fn = kernel(name, rows, unroll)
+def _v5_call(fn, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL):
     grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll)
     allow_dynamic_smem(fn, smem, f"ln: the LayerNorm prologue's {nb} row(s) x {K} floats in shared memory")
     fn(grid, block, args, shared_mem=smem)
@@ -207,13 +206,13 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
         if residual and bias is None:
             raise ValueError("bias: residual=True needs the projection bias")
         lw, lb, e = _ln_args(ln, K, eps)
-        name = f"gemv_v5<{epi}, {'false' if ln is None else 'true'}>"
-        step = _v5_rows_per_launch(kernel(name, rows, unroll), K, ln is not None)
+        fn = kernel(f"gemv_v5<{epi}, {'false' if ln is None else 'true'}>", rows, unroll)
+        step = _v5_rows_per_launch(fn, K, ln is not None)
         for b0 in range(0, B, step):
             nb = min(step, B - b0)
-            _v5_call(name, N, K, nb, ln is not None, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
-                                                      np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL,
-                                                      np.int32(0), np.int32(0)), rows, unroll)
+            _v5_call(fn, N, K, nb, ln is not None, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
+                                                    np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL,
+                                                    np.int32(0), np.int32(0)), rows, unroll)
         return y
     if version in (1, 2):
         if gelu:
@@ -254,11 +253,11 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=5, ln=None, eps: floa
     expect_choice(version, "version", (3, 4, 5))
     if version == 5:
         lw, lb, e = _ln_args(ln, K, eps)
-        name = f"gemv_v5<EPI_QKV, {'false' if ln is None else 'true'}>"
-        step = _v5_rows_per_launch(kernel(name, V5_ROWS), K, ln is not None)
+        fn = kernel(f"gemv_v5<EPI_QKV, {'false' if ln is None else 'true'}>", V5_ROWS)
+        step = _v5_rows_per_launch(fn, K, ln is not None)
         for b0 in range(0, B, step):
             nb = min(step, B - b0)
-            _v5_call(name, N, K, nb, ln is not None,
+            _v5_call(fn, N, K, nb, ln is not None,
                      (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
                       k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
         return q

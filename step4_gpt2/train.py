@@ -7,7 +7,7 @@
     trainer.save("my_model", data.tokenizer)             # model.safetensors + config.json (+ char_vocab.json)
     print(generate(model, data.tokenizer, "ROMEO:\n"))   # or: python -m step4_gpt2 --weights my_model "ROMEO:"
 
-A step is: encoder -> L x (LayerNorm, qkv GEMM, flash attention saving lse, proj GEMM, residual+LayerNorm,
+A step is: encoder -> L x (LayerNorm, qkv GEMM, step 2's flash attention saving lse, proj GEMM, residual+LayerNorm,
 fc GEMM, bias+GELU, proj GEMM, residual+LayerNorm) -> LM-head GEMM (tied to wte) -> fused classifier, then
 the same backwards (train_gpt2.cu + cuBLAS), global grad-norm clipping, and one AdamW launch for all
 parameters (step 3's train_update.cu). Parameters and gradients each live in ONE flat buffer, so the norm
@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, expect_choice, require_gpu
+from common import expect_choice, require_gpu
 from common.reference.train_gpt2 import is_decayed, lr_at
+from step3_fused.training import History, check_ids
 from step4_gpt2 import train_ops as ops
 from step4_gpt2.weights import GPTConfig, expected_shapes
 
@@ -168,18 +169,12 @@ class TrainGPT:
             if a is None:
                 out.append(None)
                 continue
-            if isinstance(a, np.ndarray):
-                a = cp.asarray(a)
-            a = expect_array(a, name, dtype=np.int32, ndim=2)
+            a = check_ids(cp.asarray(a) if isinstance(a, np.ndarray) else a, name, cfg.vocab_size, 2)
             if a.shape[1] > cfg.block_size:
                 raise ValueError(f"{name}: a batch of T={a.shape[1]} tokens per sequence is longer than the "
                                  f"model's block_size={cfg.block_size}")
             if a.shape[0] < 1 or a.shape[1] < 1:
                 raise ValueError(f"{name}: expected shape (B >= 1, T >= 1), got {a.shape}")
-            lo, hi = (int(v) for v in cp.stack([a.min(), a.max()]).get())
-            if lo < 0 or hi >= cfg.vocab_size:
-                raise ValueError(f"{name}: token id {lo if lo < 0 else hi} is out of range [0, {cfg.vocab_size}) "
-                                 f"(vocab_size)")
             out.append(a)
         if targets is not None and out[1].shape != out[0].shape:
             raise ValueError(f"targets: expected shape {out[0].shape} like idx, got {out[1].shape}")
@@ -242,23 +237,20 @@ class TrainGPT:
         dqkv = a.dqkv.reshape(N, 3 * C)
         for i in reversed(range(L)):
             # MLP: the residual's gradient a.dres is also the gradient of c_proj's output (and bias)
-            ops.weight_grad(a.h[i], a.dres, out=g(i, "mlp.c_proj.weight"))
-            ops.column_sum(a.dres, out=g(i, "mlp.c_proj.bias"))
-            cp.matmul(a.dres, p(i, "mlp.c_proj.weight").T, out=a.dh)
+            ops.matmul_backward(a.dres, a.h[i], p(i, "mlp.c_proj.weight"), dx=a.dh, dweight=g(i, "mlp.c_proj.weight"),
+                                dbias=g(i, "mlp.c_proj.bias"))
             ops.gelu_bias_backward(a.dh, a.pre[i], p(i, "mlp.c_fc.bias"), dpre=a.dh, dbias=g(i, "mlp.c_fc.bias"))
-            ops.weight_grad(a.ln2[i], a.dh, out=g(i, "mlp.c_fc.weight"))
-            cp.matmul(a.dh, p(i, "mlp.c_fc.weight").T, out=a.dln)
+            ops.matmul_backward(a.dh, a.ln2[i], p(i, "mlp.c_fc.weight"), dx=a.dln, dweight=g(i, "mlp.c_fc.weight"),
+                                dbias=False)                     # c_fc's bias gradient came with the GELU's
             ops.layernorm_backward(a.dln, a.resid2[i], p(i, "ln_2.weight"), a.m2[i], a.r2[i], dx=a.dres,
                                    dweight=g(i, "ln_2.weight"), dbias=g(i, "ln_2.bias"), accumulate=True)
             # attention
-            ops.weight_grad(a.atty[i].reshape(N, C), a.dres, out=g(i, "attn.c_proj.weight"))
-            ops.column_sum(a.dres, out=g(i, "attn.c_proj.bias"))
-            cp.matmul(a.dres, p(i, "attn.c_proj.weight").T, out=a.datty.reshape(N, C))
+            ops.matmul_backward(a.dres, a.atty[i].reshape(N, C), p(i, "attn.c_proj.weight"), dx=a.datty.reshape(N, C),
+                                dweight=g(i, "attn.c_proj.weight"), dbias=g(i, "attn.c_proj.bias"))
             ops.attention_backward(a.datty, a.qkv[i].reshape(B, T, 3 * C), p(i, "attn.c_attn.bias"), a.atty[i],
                                    a.lse[i], H, dqkv=a.dqkv, version=self.attention_version)
-            ops.column_sum(dqkv, out=g(i, "attn.c_attn.bias"))
-            ops.weight_grad(a.ln1[i], dqkv, out=g(i, "attn.c_attn.weight"))
-            cp.matmul(dqkv, p(i, "attn.c_attn.weight").T, out=a.dln)
+            ops.matmul_backward(dqkv, a.ln1[i], p(i, "attn.c_attn.weight"), dx=a.dln, dweight=g(i, "attn.c_attn.weight"),
+                                dbias=g(i, "attn.c_attn.bias"))
             ops.layernorm_backward(a.dln, a.resid[i], p(i, "ln_1.weight"), a.m1[i], a.r1[i], dx=a.dres,
                                    dweight=g(i, "ln_1.weight"), dbias=g(i, "ln_1.bias"), accumulate=True)
         ops.encoder_backward(a.dres, a.idx, G["wte.weight"], G["wpe.weight"], version=self.embedding_version)
@@ -304,20 +296,6 @@ class TrainConfig:
 
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.lr, self.warmup, self.max_steps, self.min_lr)
-
-
-@dataclass
-class History:
-    steps: list = field(default_factory=list)         # step of each train-loss point
-    train: list = field(default_factory=list)
-    val_steps: list = field(default_factory=list)
-    val: list = field(default_factory=list)
-    seconds: float = 0.0                              # training time (evaluation excluded)
-    tokens: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
 
 
 _NORM = _CLIP = None
@@ -476,25 +454,17 @@ class Trainer:
 def generate(model: TrainGPT, tokenizer, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
              top_k: int | None = None, seed: int = 0) -> str:
     """Sample from the model being trained, on its own forward pass (the whole window each token; simple,
-    and fast enough for a few hundred characters). temperature 0 = greedy."""
+    and fast enough for a few hundred characters) with step 4's sampler. temperature 0 = greedy."""
     import cupy as cp
-    if temperature < 0:
-        raise ValueError(f"temperature: expected >= 0, got {temperature}")
+    from step4_gpt2.generate import check_sampling, sample
+    check_sampling(temperature, top_k, None)
     rng = np.random.default_rng(seed)
     ids = list(tokenizer.encode(prompt)) or [0]
     T = model.config.block_size
     for _ in range(max_new_tokens):
         window = cp.asarray(np.array(ids[-T:], dtype=np.int32)[None])
-        z = model.forward(window, check=False)[0, -1].get().astype(np.float64)
-        if temperature == 0:
-            nxt = int(z.argmax())
-        else:
-            z = z / temperature
-            if top_k:
-                z[z < np.sort(z)[-top_k]] = -np.inf
-            p = np.exp(z - z.max())
-            nxt = int(rng.choice(len(p), p=p / p.sum()))
-        ids.append(nxt)
+        z = model.forward(window, check=False)[:, -1].get()          # (1, V): sampled on the host, in float64
+        ids.append(int(sample(z, rng.random(1), temperature, top_k)[0]))
     return tokenizer.decode(ids)
 
 

@@ -19,32 +19,46 @@
 //                           Saves mean and rstd (2 floats per row) for the backward pass.
 //   layernorm_backward      dx, dweight, dbias in one kernel: warp per row, dweight/dbias accumulated in
 //                           per-warp shared-memory rows (no atomics), one partial per block.
-//   attention_forward       flash-style causal attention that also writes lse per row. Two threads per
-//                           query row (each half of the head dims: half the registers, one shuffle per
-//                           score), K/V tiles in shared memory, online softmax in the exp2 domain.
+//   attention forward       not here: step 2's flash attention (flash_attention.cu, flash_attention_qkv),
+//                           which also writes lse per row when given a buffer.
 //   attention backward v1   (Python + cuBLAS) S = QK^T again, attention_probs: P from lse, written as a
 //                           T x T matrix; dV = P^T dO, dP = dO V^T; attention_dscores: dS = P (dP - delta).
 //   attention backward v2   flash-style, never writes T x T: attention_delta (delta_i = dO_i . O_i), then
 //                           attention_backward_dkv (a block owns 64 keys, walks the queries tile by tile,
 //                           recomputes P from lse: dK, dV in registers) and attention_backward_dq (a block
-//                           owns 64 queries, walks the keys). No atomics: each output has one owner.
+//                           owns 64 queries, walks the keys). No atomics: each output has one owner. Two
+//                           threads per row (each half of the head dims: half the registers, one shuffle
+//                           per dot product), tiles in shared memory, exponentials in the exp2 domain.
 //
-// Compile-time knob: HEAD_DIM (32 or 64, default 64).
+// Compile-time knobs: HEAD_DIM (32 or 64, default 64). The launch shapes come from train_ops.py as defines
+// (no defaults, so Python and the kernels agree by construction): ATT_ROWS (query or key rows per attention
+// block: 2 * ATT_ROWS threads), COLS x ROWS (the column kernels' blocks), FINISH_ROWS (column_finish's row
+// lanes), LN_WARPS (layernorm_backward's warps per block).
 #include "course.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
 #endif
+#ifndef ATT_ROWS
+#error "ATT_ROWS is passed by train_ops.py"
+#endif
+#ifndef COLS
+#error "COLS is passed by train_ops.py"
+#endif
+#ifndef ROWS
+#error "ROWS is passed by train_ops.py"
+#endif
+#ifndef FINISH_ROWS
+#error "FINISH_ROWS is passed by train_ops.py"
+#endif
+#ifndef LN_WARPS
+#error "LN_WARPS is passed by train_ops.py"
+#endif
 #define D HEAD_DIM
 #define HALF (D / 2)               // head dims per thread: two threads share a row
 #define SROW (D + 8)               // shared row: the two halves 4 floats apart, so the pair's float4 loads
 #define HOFF(half) ((half) * (HALF + 4))   // hit different banks
-#define ATT_ROWS 64                // query (or key) rows per attention block: 128 threads
 #define ATT_TILE 32                // keys (or queries) per shared-memory tile
-#define COLS 32                    // column kernels: a warp of columns ...
-#define ROWS 8                     // ... times 8 row lanes per block
-#define LN_WARPS 4                 // layernorm_backward: warps per block
-#define NEG_INF __int_as_float(0xff800000)
 #define NAN_F __int_as_float(0x7fffffff)
 #define LOG2E 1.4426950408889634f
 
@@ -140,16 +154,16 @@ extern "C" __global__ void gelu_backward_partial(const float* dout, const float*
 }
 
 // out[c] (c < split) or out2[c - split] (c >= split) = sum over chunks of partial[k, c]; accumulate = 1 adds
-// to what is there. Block (COLS, 32): 32 row lanes share the chunks, then a fixed-order sum in shared memory
-// (one thread per column walking all chunks would be a chain of dependent DRAM latencies).
+// to what is there. Block (COLS, FINISH_ROWS): the row lanes share the chunks, then a fixed-order sum in shared
+// memory (one thread per column walking all chunks would be a chain of dependent DRAM latencies).
 extern "C" __global__ void column_finish(const float* __restrict__ partial, float* out, float* out2, int chunks,
                                          int cols, int split, int accumulate) {
-    __shared__ float part[32][COLS + 1];
+    __shared__ float part[FINISH_ROWS][COLS + 1];
     const int c = blockIdx.x * COLS + threadIdx.x;
     float s = 0.0f;
     if (c < cols)
-        for (int k = threadIdx.y; k < chunks; k += 32) s += partial[(long long)k * cols + c];
-    const float t = sum_row_lanes<32>(s, part);
+        for (int k = threadIdx.y; k < chunks; k += FINISH_ROWS) s += partial[(long long)k * cols + c];
+    const float t = sum_row_lanes<FINISH_ROWS>(s, part);
     if (threadIdx.y == 0 && c < cols) {
         float* dst = c < split ? out + c : out2 + (c - split);
         *dst = accumulate ? *dst + t : t;
@@ -295,64 +309,6 @@ __device__ __forceinline__ void axpy_half(float* acc, float a, const float* __re
         const float4 r = *reinterpret_cast<const float4*>(row + d);
         acc[d] += a * r.x; acc[d + 1] += a * r.y; acc[d + 2] += a * r.z; acc[d + 3] += a * r.w;
     }
-}
-
-// Grid (ceil(T / ATT_ROWS), B*H), 2*ATT_ROWS threads. out (B, T, C) merged heads; lse (B, H, T).
-extern "C" __global__ void __launch_bounds__(2 * ATT_ROWS) attention_forward(
-        const float* __restrict__ qkv, const float* __restrict__ bias, float* __restrict__ out,
-        float* __restrict__ lse, int T, int H, float scale) {
-    __shared__ __align__(16) float ks[ATT_TILE][SROW];
-    __shared__ __align__(16) float vs[ATT_TILE][SROW];
-    const int C = H * D, bh = blockIdx.y, b = bh / H, h = bh % H;
-    const int row0 = (gridDim.x - 1 - blockIdx.x) * ATT_ROWS;   // causal: the heaviest blocks start first
-    const int i = row0 + threadIdx.x / 2, half = threadIdx.x % 2;
-    const bool valid = i < T;
-    const float* base = qkv + (long long)b * T * 3 * C;
-    const float scale2 = scale * LOG2E;                           // scores come out ready for exp2f
-    float q[HALF], acc[HALF];
-    if (valid) {
-        load_half(base + (long long)i * 3 * C + h * D + half * HALF, bias ? bias + h * D + half * HALF : nullptr, scale2, q);
-    } else {
-#pragma unroll
-        for (int d = 0; d < HALF; ++d) q[d] = 0.0f;
-    }
-#pragma unroll
-    for (int d = 0; d < HALF; ++d) acc[d] = 0.0f;
-    float m = NEG_INF, l = 0.0f;
-    const int last = min(T, row0 + ATT_ROWS);
-    for (int j0 = 0; j0 < last; j0 += ATT_TILE) {
-        __syncthreads();
-        load_tile(ks, base, 3 * C, C + h * D, bias, j0, T);
-        load_tile(vs, base, 3 * C, 2 * C + h * D, bias, j0, T);
-        __syncthreads();
-        float s[ATT_TILE], mt = NEG_INF;
-#pragma unroll
-        for (int jj = 0; jj < ATT_TILE; ++jj) {
-            const float p = pair_dot(q, &ks[jj][HOFF(half)]);
-            s[jj] = (valid && j0 + jj <= i) ? p : NEG_INF;
-            mt = fmaxf(mt, s[jj]);
-        }
-        const float mn = fmaxf(m, mt);
-        if (mn == NEG_INF) continue;                 // the whole tile is in this row's future
-        const float corr = exp2f(m - mn);            // 0 on the first tile (m = -inf)
-        l *= corr;
-#pragma unroll
-        for (int d = 0; d < HALF; ++d) acc[d] *= corr;
-#pragma unroll
-        for (int jj = 0; jj < ATT_TILE; ++jj) {
-            const float p = exp2f(s[jj] - mn);
-            l += p;
-            axpy_half(acc, p, &vs[jj][HOFF(half)]);
-        }
-        m = mn;
-    }
-    if (!valid) return;
-    float* o = out + ((long long)b * T + i) * C + h * D + half * HALF;
-    const float inv = 1.0f / l;
-#pragma unroll
-    for (int d = 0; d < HALF; d += 4)
-        *reinterpret_cast<float4*>(o + d) = make_float4(acc[d] * inv, acc[d + 1] * inv, acc[d + 2] * inv, acc[d + 3] * inv);
-    if (half == 0) lse[(long long)bh * T + i] = (m + log2f(l)) / LOG2E;
 }
 
 // delta (B, H, T): delta_i = dO_i . O_i, the row term of the softmax backward. One warp per (b, t, h).

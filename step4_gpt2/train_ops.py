@@ -3,7 +3,8 @@
 Every function takes CuPy float32 arrays (token ids int32), checks them with common.expect_array (the error
 names the argument), and writes into `out=`-style buffers when given, so the step's activations and gradients are
 allocated once (the reductions' partial sums and the attention backward's row terms are still per call).
-The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu).
+The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu), the attention
+forward is step 2's flash attention (flash_attention.cu), asked to save each row's log-sum-exp.
 """
 from __future__ import annotations
 
@@ -16,17 +17,22 @@ from common import allow_dynamic_smem, expect_array, expect_choice, get_kernel, 
 
 CU = Path(__file__).resolve().parent / "train_gpt2.cu"
 HEAD_DIMS = (32, 64)      # HEAD_DIM values train_gpt2.cu supports
-ATT_ROWS, ATT_TILE = 64, 32           # as in train_gpt2.cu (query rows per block: 2 threads each)
+# Launch shapes, defined here only and passed to train_gpt2.cu as defines (it has no defaults for them).
+ATT_ROWS = 64                         # attention backward v2: query (or key) rows per block, 2 threads each
 COLS, ROWS = 32, 8                    # column kernels: block (COLS, ROWS)
+FINISH_ROWS = 32                      # column_finish: block (COLS, FINISH_ROWS)
+LN_WARPS = 4                          # layernorm_backward: warps per block
+DEFINES = {"ATT_ROWS": ATT_ROWS, "COLS": COLS, "ROWS": ROWS, "FINISH_ROWS": FINISH_ROWS, "LN_WARPS": LN_WARPS}
+CU_DEFINES = {CU: DEFINES}            # for tests/test_compile.py (HEAD_DIM: the .cu's default, 64)
 CHUNK_ROWS = 256                      # rows per partial in the column sums
-LN_WARPS, LN_ROWS_PER_BLOCK = 4, 32   # layernorm_backward: 4 warps per block, 32 rows per block (8 per warp)
+LN_ROWS_PER_BLOCK = 32                # layernorm_backward: rows per block (8 per warp)
 BLOCK = 256
 EMBEDDING_VERSIONS = (1, 2)           # 1: atomicAdd scatter; 2: sorted, deterministic
 ATTENTION_BACKWARD_VERSIONS = (1, 2)  # 1: materialises P (cuBLAS); 2: flash-style, recomputes P from lse
 
 
 def _k(name: str, head_dim: int = 64):
-    return get_kernel(CU, name, {"HEAD_DIM": head_dim})
+    return get_kernel(CU, name, {"HEAD_DIM": head_dim, **DEFINES})
 
 
 def _grid(n: int) -> tuple:
@@ -85,7 +91,7 @@ def encoder_backward(dx, idx, dwte, dwpe, version: int = 2, accumulate_wte: bool
 # ---------------------------------------------------------------------------------------- column sums
 def _finish(partial, chunks: int, cols: int, out, out2=None, split: int | None = None, accumulate=False):
     split = cols if split is None else split
-    _k("column_finish")((-(-cols // COLS),), (COLS, 32),
+    _k("column_finish")((-(-cols // COLS),), (COLS, FINISH_ROWS),
                         (partial, out, out if out2 is None else out2, np.int32(chunks), np.int32(cols),
                          np.int32(split), np.int32(bool(accumulate))))
 
@@ -208,16 +214,12 @@ def _qkv_shape(qkv, n_head: int):
 
 def attention_forward(qkv, bias, n_head: int, out=None, lse=None):
     """Causal attention on GPT-2's fused qkv (B, T, 3C) (+ bias (3C,), added while loading) ->
-    (out (B, T, C), lse (B, H, T)): flash-style, the T x T scores never leave the chip."""
+    (out (B, T, C), lse (B, H, T)): step 2's flash attention (flash_attention_qkv), which also writes each
+    row's log-sum-exp when given a buffer; the T x T scores never leave the chip."""
+    from step2_attention.flash import flash_attention_qkv
     qkv, B, T, C, D = _qkv_shape(qkv, n_head)
-    if bias is not None:
-        bias = expect_array(bias, "bias", dtype=np.float32, shape=(3 * C,))
-    out = out_array(out, (B, T, C))
     lse = out_array(lse, (B, n_head, T), name="lse")
-    if out.size:
-        _k("attention_forward", D)((-(-T // ATT_ROWS), B * n_head), (2 * ATT_ROWS,),
-                                   (qkv, np.uint64(0) if bias is None else bias, out, lse, np.int32(T),
-                                    np.int32(n_head), np.float32(1.0 / math.sqrt(D))))
+    out = flash_attention_qkv(qkv, n_head, causal=True, bias=bias, out=out, scale=1.0 / math.sqrt(D), lse=lse)
     return out, lse
 
 
@@ -334,17 +336,4 @@ def classifier(logits, targets, losses=None, scale: float | None = None, grad: b
     with dlogits = (softmax - onehot) * scale (default 1/N). One block per row; probabilities never stored."""
     from step3_fused.training import classifier as fused
     logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)
-    V = logits.shape[1]
-    zero = _zeros(V)
-    return fused(logits, zero, targets, mode="grad" if grad else "loss", scale=scale, losses=losses, check=False)
-
-
-_ZEROS: dict = {}
-
-
-def _zeros(n: int):
-    import cupy as cp
-    key = (n, cp.cuda.Device().id)
-    if key not in _ZEROS:
-        _ZEROS[key] = cp.zeros(n, cp.float32)
-    return _ZEROS[key]
+    return fused(logits, None, targets, mode="grad" if grad else "loss", scale=scale, losses=losses, check=False)

@@ -165,6 +165,99 @@ def test_get_kernel_compiles_a_template_instantiation(tmp_path):
     assert get_kernel(src, "scale<3>") is get_kernel(src, "scale<3>")       # cached
 
 
+
+def test_get_kernel_refuses_a_template_name_not_among_templates():
+    """A name missing from the .cu's CU_TEMPLATES would compile a module of its own: refused, before any GPU
+    work (so on any machine), naming the argument and the names it may be."""
+    from common import get_kernel
+    with pytest.raises(ValueError, match=r"^name: 'scale<5>' is not one of templates \('scale<3>', 'scale<7>'\)"):
+        get_kernel("step1_simple/axpb.cu", "scale<5>", templates=("scale<3>", "scale<7>"))
+
+
+@pytest.mark.gpu
+def test_get_kernel_compiles_all_templates_of_a_file_into_one_module(tmp_path, monkeypatch):
+    """With templates=, every instantiation (and an extern "C" kernel of the same file) comes from one compile."""
+    import cupy as cp
+    from common import get_kernel
+    src = tmp_path / "shift.cu"
+    src.write_text("template <int K>\n__global__ void shift(const float* x, float* y, int n) {\n"
+                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) y[i] = x[i] + K;\n}\n"
+                   'extern "C" __global__ void neg(const float* x, float* y, int n) {\n'
+                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) y[i] = -x[i];\n}\n")
+    names = ("shift<2>", "shift<5>")
+    compiled = []
+    real = cp.RawModule
+    monkeypatch.setattr(cp, "RawModule", lambda *a, **k: compiled.append(k.get("name_expressions")) or real(*a, **k))
+    x = cp.asarray(rand(1000, seed=6))
+    for k in (2, 5):
+        y = poison(cp.empty_like(x))
+        get_kernel(src, f"shift<{k}>", templates=names)((4,), (256,), (x, y, np.int32(1000)))
+        assert_close(y, x.get().astype(np.float64) + k)
+    y = poison(cp.empty_like(x))
+    get_kernel(src, "neg", templates=names)((4,), (256,), (x, y, np.int32(1000)))
+    assert_close(y, -x.get().astype(np.float64))
+    assert compiled == [names], compiled
+    assert get_kernel(src, "shift<5>", templates=names) is get_kernel(src, "shift<5>", templates=list(names))
+
+
+@pytest.mark.gpu
+def test_occupancy_is_the_drivers_count_and_names_a_limit(tmp_path):
+    """blocks_per_sm is what cuOccupancyMaxActiveBlocksPerMultiprocessor says, also for dynamic shared memory
+    above 48 KB that the kernel has not opted in to yet (the launch will); an opt-in is never lowered."""
+    from cupy.cuda import driver
+    from common import device_info, get_kernel, occupancy
+    src = tmp_path / "dyn.cu"
+    src.write_text('extern "C" __global__ void dyn(float* y) {\n    extern __shared__ float s[];\n'
+                   "    s[threadIdx.x] = threadIdx.x;\n    __syncthreads();\n    y[threadIdx.x] = s[blockDim.x - 1 - threadIdx.x];\n}\n")
+    k = get_kernel(src, "dyn")
+    occ = occupancy(k, 256)
+    assert occ["blocks_per_sm"] == driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, 256, 0) >= 1
+    assert occ["warps_per_sm"] == 8 * occ["blocks_per_sm"]
+    assert occ["limited_by"] in ("registers", "threads", "shared memory", "blocks per SM")
+    assert set(occ) == {"registers", "local_bytes", "blocks_per_sm", "warps_per_sm", "occupancy", "limited_by"}
+    big = 50 << 10
+    if device_info()["shared_per_block_optin"] < big:
+        pytest.skip("this GPU allows less than 50 KB of shared memory per block")
+    assert occupancy(k, 256, big)["blocks_per_sm"] >= 1 and k.max_dynamic_shared_size_bytes >= big
+    k.max_dynamic_shared_size_bytes = device_info()["shared_per_block_optin"]
+    occupancy(k, 256, big)
+    assert k.max_dynamic_shared_size_bytes == device_info()["shared_per_block_optin"]
+
+
+def test_fp32_peak_is_computed_from_device_info(monkeypatch):
+    """One cached device query: the peak is SMs x fp32 lanes per SM x 2 x the clock device_info() reports."""
+    import common.device as dev
+    monkeypatch.setattr(dev, "device_info", lambda: {"sm": 90, "multiprocessors": 132, "clock_khz": 1_980_000})
+    assert dev.fp32_peak_tflops.__wrapped__() == pytest.approx(2 * 132 * 128 * 1.98e9 / 1e12)
+    monkeypatch.setattr(dev, "device_info", lambda: {"sm": 80, "multiprocessors": 108, "clock_khz": 1_410_000})
+    assert dev.fp32_peak_tflops.__wrapped__() == pytest.approx(2 * 108 * 64 * 1.41e9 / 1e12)
+    monkeypatch.setattr(dev, "device_info", lambda: {"sm": 80, "multiprocessors": 108, "clock_khz": None})
+    assert dev.fp32_peak_tflops.__wrapped__() is None
+
+
+class _Readback:
+    """Stands in for a CuPy buffer where only its read-back (.get()) matters."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def get(self):
+        return self.a
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.uint16])
+def test_exercise_guards_are_poisoned_and_read_back_alike(dtype):
+    """An exercise's guard is filled by common.poison, and a write into it is found whatever the dtype."""
+    from common.exercises import _guard_damage
+    buf = poison(np.empty(12, dtype))
+    buf[4:8] = 3
+    assert _guard_damage(_Readback(buf), (4, 8)) is None
+    buf[9] = 3
+    assert "past the end" in _guard_damage(_Readback(buf), (4, 8))
+    buf = poison(np.empty(12, dtype))
+    buf[1] = 3
+    assert "before the start" in _guard_damage(_Readback(buf), (4, 8))
+
 # --- no GPU, or an old driver: one message before the first CUDA call ---------------------------------------
 
 def _driver_loadable() -> bool:

@@ -158,6 +158,28 @@ def test_flash_qkv_aligned_buffer_with_misaligned_bias_falls_back_to_v2():
     assert_close(out, qkv_reference(qkv, n_head, True, bias), rtol=1e-5, name="misaligned bias")
 
 
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", flash.VERSIONS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n_head, D", [(3, 64), (5, 32)])
+def test_flash_qkv_writes_lse(version, causal, n_head, D):
+    """lse= (what step 4b's attention backward keeps) is each row's log-sum-exp of the scaled scores, and
+    asking for it leaves the output bit for bit as it is without."""
+    B, T, C = 2, 77, n_head * D
+    qkv = cp.asarray(rand(B, T, 3 * C, seed=41))
+    bias = cp.asarray(rand(3 * C, seed=42, low=-0.5, high=0.5))
+    plain = flash.flash_attention_qkv(qkv, n_head, causal=causal, bias=bias, version=version)
+    out, lse = poison(cp.empty((B, T, C), cp.float32)), poison(cp.empty((B, n_head, T), cp.float32))
+    flash.flash_attention_qkv(qkv, n_head, causal=causal, bias=bias, out=out, version=version, lse=lse)
+    assert cp.array_equal(out, plain)
+    x = R.f64(qkv) + R.f64(bias)
+    q, k = (x[..., j * C:(j + 1) * C].reshape(B, T, n_head, D).transpose(0, 2, 1, 3) for j in range(2))
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)
+    if causal:
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    assert_close(lse, np.logaddexp.reduce(s, axis=-1), rtol=1e-6, name=f"lse v{version} causal={causal} D={D}")
+
+
 # ------------------------------------------------------------------------------------- tensor cores
 def tc_inputs(B, H, T, D, dtype, seed):
     q, k, v = qkv_tensors(B, H, T, D, seed)
@@ -331,6 +353,8 @@ def test_bad_inputs_are_named():
         flash.flash_attention_qkv(qkv, 5)
     with pytest.raises(ValueError, match="bias: expected shape"):
         flash.flash_attention_qkv(qkv, 3, bias=cp.zeros(192, cp.float32))
+    with pytest.raises(ValueError, match=r"lse: expected shape \(1, 3, 16\)"):
+        flash.flash_attention_qkv(qkv, 3, lse=cp.empty((1, 16, 3), cp.float32))
     with pytest.raises(TypeError, match="q: expected dtype float16"):
         flash.flash_attention_tc(q, k, v)
     qd, kc, vc = decode_inputs(2, 3, 32, 64, seed=0)

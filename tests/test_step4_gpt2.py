@@ -503,8 +503,8 @@ def test_gemv_ln_prologue_splits_the_batch_to_fit_shared_memory(cp, monkeypatch)
     monkeypatch.setattr(M, "device_info", lambda: {**real, "shared_per_block_optin": 64 << 10})
     calls = []
     orig = M._v5_call
-    monkeypatch.setattr(M, "_v5_call", lambda name, N, K, nb, ln, *a, **k: (calls.append((nb, ln)),
-                                                                            orig(name, N, K, nb, ln, *a, **k)))
+    monkeypatch.setattr(M, "_v5_call", lambda fn, N, K, nb, ln, *a, **k: (calls.append((nb, ln)),
+                                                                          orig(fn, N, K, nb, ln, *a, **k)))
     B, N, K = 11, 37, 4100
     x, Wt, b, g, o = (cp.asarray(rand(*s, seed=40 + i)) for i, s in enumerate([(B, K), (N, K), (N,), (K,), (K,)]))
     x = x * 3 + 0.5
@@ -640,15 +640,14 @@ def test_logits_match_transformers_and_reference(cp, tmp_path, cfg):
 @gpu
 @pytest.mark.parametrize("plan,attention_version", [("fused", 2), ("split", 1), ("fused", 1), ("split", 2)])
 def test_decode_steps_match_full_forward(cp, small_dir, plan, attention_version):
+    from step4_gpt2.generate import pad_prompts
     from step4_gpt2.model import DecodeState
     model, hf = _model(small_dir), hf_model(small_dir, device="cuda")
     rng = np.random.default_rng(5)
     lens = [9, 3]
     seqs = [rng.integers(0, SMALL.vocab_size, n + 6).tolist() for n in lens]
     s = DecodeState(SMALL, 2, 20)
-    padded = np.zeros((2, 9), np.int32)
-    for b, n in enumerate(lens):
-        padded[b, :n] = seqs[b][:n]
+    padded = pad_prompts([seq[:n] for seq, n in zip(seqs, lens)])
     model.forward(padded, cache=s.cache, last=np.array(lens) - 1)
     s.pos[...] = cp.asarray(np.array(lens, np.int32))
     s.lens[...] = s.pos + 1

@@ -14,6 +14,7 @@ from common.kernels import ARCHS, compile_offline, supported_archs
 from common.reference import gpt2 as ref
 from step4_gpt2 import megakernel as M
 from step4_gpt2 import weights as W
+from step4_gpt2.generate import pad_prompts
 
 gpu = pytest.mark.gpu
 G124 = W.GPTConfig()
@@ -98,13 +99,6 @@ def _prompts(cfg, batch, seed=0):
     return [rng.integers(0, cfg.vocab_size, n).tolist() for n in LENS[:batch]]
 
 
-def _padded(prompts):
-    p = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
-    for i, s in enumerate(prompts):
-        p[i, :len(s)] = s
-    return p
-
-
 _refs = {}
 
 
@@ -126,24 +120,24 @@ def test_step_logits_match_float64_reference(cp, cfg, batch, version):
     model, params, _ = _model(cfg)
     prompts = _prompts(cfg, batch)
     dec = M.MegakernelDecoder(model, batch, max(LENS[:batch]) + 4, version=version)
-    dec.prefill(_padded(prompts), [len(p) for p in prompts])
+    dec.prefill(pad_prompts(prompts), [len(p) for p in prompts])
     rng = np.random.default_rng(batch)
     seqs = [list(p) for p in prompts]
     for step in range(3):
         feed = rng.integers(0, cfg.vocab_size, batch).astype(np.int32)
         with dec.stream:                   # the decoder's own (non-blocking) stream, like its launches
-            dec.tokens[...] = cp.asarray(feed)
-            poison(dec.logits)
+            dec.state.tokens[...] = cp.asarray(feed)
+            poison(dec.state.logits)
         dec.launch(1)
         dec.stream.synchronize()
         dec.check()
-        got = dec.logits.get()
+        got = dec.state.logits.get()
         for b in range(batch):
             seqs[b].append(int(feed[b]))
             want = _ref_last_logits(cfg, params, seqs[b])
             assert max_rel(got[b], want) <= 1e-4, (step, b, max_rel(got[b], want))
-            assert dec.tokens[b].get() == np.argmax(got[b]), "the kernel's argmax"
-        assert (dec.pos.get() == np.array([len(s) for s in seqs])).all()
+            assert dec.state.tokens[b].get() == np.argmax(got[b]), "the kernel's argmax"
+        assert (dec.state.pos.get() == np.array([len(s) for s in seqs])).all()
 
 
 _hf_cache, _hf_models = {}, {}
@@ -223,7 +217,7 @@ def test_fallback_when_the_blocks_cannot_all_be_resident(cp, monkeypatch):
     prompts = _prompts(SMALL4, 1)
     monkeypatch.setattr(M, "AUTO_MAX_BATCH", 8)
     assert choose_mode(model, "auto", 1, 40, True) == "megakernel"
-    monkeypatch.setattr(M, "_resident_blocks_per_sm", lambda fn, threads, smem: 0)      # nothing fits
+    monkeypatch.setattr(M, "occupancy", lambda fn, block, smem: {"blocks_per_sm": 0})   # nothing fits
     assert choose_mode(model, "auto", 1, 40, True) == "graph"
     gen = generate(model, prompts, 30, stop_at_eos=False, reuse=False)
     assert gen.mode == "graph"
@@ -238,7 +232,7 @@ def test_forced_timeout_raises_and_the_decoder_recovers(cp, version):
     model, _, _ = _model(SMALL4)
     prompts = _prompts(SMALL4, 2)
     dec = M.MegakernelDecoder(model, 2, 40, version=version, timeout_s=0.05)
-    first = dec.prefill(_padded(prompts), [len(p) for p in prompts])
+    first = dec.prefill(pad_prompts(prompts), [len(p) for p in prompts])
     t0 = time.perf_counter()
     dec.launch(1, stall_block=dec.grid - 1)               # that block never signals: everyone else times out
     with pytest.raises(M.MegakernelTimeout, match=r"block \d+ waited more than 0.05 s at stage"):
@@ -249,7 +243,7 @@ def test_forced_timeout_raises_and_the_decoder_recovers(cp, version):
     # after the reset the same decoder decodes correctly again
     from step4_gpt2.generate import generate
     want = generate(model, prompts, 20, stop_at_eos=False, mode="graph", reuse=False).tokens
-    got_first = dec.prefill(_padded(prompts), [len(p) for p in prompts])
+    got_first = dec.prefill(pad_prompts(prompts), [len(p) for p in prompts])
     assert got_first.tolist() == first.tolist() == [w[0] for w in want]
     steps = list(dec.decode(19))
     assert [[int(s[b]) for s in steps] for b in range(2)] == [w[1:] for w in want]
@@ -286,7 +280,7 @@ def test_timeline_stamps_every_stage(cp, version):
     model, _, _ = _model(SMALL4)
     prompts = _prompts(SMALL4, 1)
     dec = M.MegakernelDecoder(model, 1, 40, version=version, timeline=True)
-    dec.prefill(_padded(prompts), [len(prompts[0])])
+    dec.prefill(pad_prompts(prompts), [len(prompts[0])])
     dec.launch(2)
     dec.stream.synchronize()
     dec.check()
@@ -313,7 +307,7 @@ def test_sanitize_tiny(cp, version):
     prompts = _prompts(TINY, 3)
     want = generate(model, prompts, 4, stop_at_eos=False, mode="graph", reuse=False).tokens
     dec = M.MegakernelDecoder(model, 3, 20, version=version, max_blocks=4, steps_per_launch=3, timeout_s=60)
-    first = dec.prefill(_padded(prompts), [len(p) for p in prompts])
+    first = dec.prefill(pad_prompts(prompts), [len(p) for p in prompts])
     steps = list(dec.decode(3))
     got = [[int(first[b])] + [int(s[b]) for s in steps] for b in range(3)]
     assert got == want
