@@ -200,7 +200,8 @@ def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
     bytes of dynamic shared memory, as the CUDA driver counts them (cuOccupancyMaxActiveBlocksPerMultiprocessor,
     which also sizes the megakernel's grid), and which resource is the limit: the smallest of the occupancy
     calculator's per-resource counts (registers are allocated per warp in units of 256, and each block
-    reserves 1 KB of shared memory for the system)."""
+    reserves 1 KB of shared memory for the system). Above the kernel's current opt-in it first raises
+    `kernel.max_dynamic_shared_size_bytes` to `dynamic_smem`, as the launch would; it never lowers it."""
     from cupy.cuda import driver
     from common.device import device_info
     d = device_info()

@@ -16,7 +16,7 @@
 //   * shared rows are padded by 16 bytes so the 8 row addresses of each ldmatrix hit 8 different banks.
 //
 // The mma instruction as a function (mma16816) and smem_addr live in common/include/mma.cuh, where
-// mma_tile.cu (which builds them up) finds them too.
+// mma_tile.cu (whose v1 writes the instruction out) finds them too.
 //
 // Architectures: mma.sync m16n8k16 with fp16 or bf16 inputs needs sm_80. fp16 also runs on sm_75 (T4):
 // there one m16n8k16 is issued as two m16n8k8 (same fragments, split in k) and the cp.async copies

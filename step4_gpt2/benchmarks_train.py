@@ -41,7 +41,8 @@ def _batches(n: int, batch: int = B, seed: int = 0):
 
 def _wall(step, batches, warmup: int = 3) -> float:
     """Seconds per step of a loop that runs `step` on each batch, host clock, after `warmup` steps:
-    what a training loop sees (launch overheads included, no sync inside the loop)."""
+    what a training loop sees (launch overheads included, no sync inside the loop). Not benchmarks.wall_s:
+    that times one call between syncs; a training loop queues steps on distinct batches without syncing."""
     import cupy as cp
     for x, y in batches[:warmup]:
         step(x, y)

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "megakernel.cu"
 KERNEL = "megakernel_decode"
 MAX_BATCH = 8            # the kernel keeps a (rows x batch) accumulator per lane in registers
-THREADS = 384            # 12 warps per block (149-168 registers per thread by batch; 512 threads: 128, slower)
+THREADS = 384            # 12 warps per block (155-168 registers per thread by batch and version at sm_90; 512: 128, slower)
 ROWS = 2                 # output rows per warp item
 UNROLL = 3               # float4 columns per lane per row in one item: 96 float4 = 384 floats per segment
 PF_WAVES = 2             # v2: waves of weight rows asked from L2 ahead of use

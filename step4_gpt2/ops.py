@@ -308,7 +308,8 @@ KERNEL_NAMES = (
     *(f"gemv_v5<{e}, {ln}>" for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_RESID", "EPI_QKV")
       for ln in ("false", "true")))
 
-# What tests/test_compile.py compiles offline for every arch: gpt2.cu with these constants, its templates instantiated.
+# gpt2.cu's constants and template instantiations: kernel() compiles every instantiation in one module
+# (get_kernel(..., templates=)), and tests/test_compile.py compiles the same offline for every arch.
 CU_DEFINES = {CU: defines(ROWS, V5_UNROLL)}
 CU_TEMPLATES = {CU: tuple(n for n in KERNEL_NAMES if "<" in n)}
 

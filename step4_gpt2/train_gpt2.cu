@@ -1,5 +1,6 @@
-// train_gpt2.cu - the backward pass of GPT-2: every kernel a training step needs besides the GEMMs (cuBLAS)
-// and the fused classifier and AdamW (reused from step 3: train_forward.cu, train_update.cu).
+// train_gpt2.cu - the backward pass of GPT-2: every kernel a training step needs besides the GEMMs (cuBLAS),
+// the attention forward (step 2's flash_attention.cu, which also writes the log-sum-exp) and the fused
+// classifier and AdamW (reused from step 3: train_forward.cu, train_update.cu).
 //
 // Layouts: activations are (N, C) rows, N = B*T. qkv is GPT-2's fused (B, T, 3C) buffer WITHOUT its bias:
 // the attention kernels add it while loading (no bias pass, no permute kernel). Attention's softmax

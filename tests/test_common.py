@@ -165,7 +165,6 @@ def test_get_kernel_compiles_a_template_instantiation(tmp_path):
     assert get_kernel(src, "scale<3>") is get_kernel(src, "scale<3>")       # cached
 
 
-
 def test_get_kernel_refuses_a_template_name_not_among_templates():
     """A name missing from the .cu's CU_TEMPLATES would compile a module of its own: refused, before any GPU
     work (so on any machine), naming the argument and the names it may be."""
@@ -257,6 +256,7 @@ def test_exercise_guards_are_poisoned_and_read_back_alike(dtype):
     buf = poison(np.empty(12, dtype))
     buf[1] = 3
     assert "before the start" in _guard_damage(_Readback(buf), (4, 8))
+
 
 # --- no GPU, or an old driver: one message before the first CUDA call ---------------------------------------
 
