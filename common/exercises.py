@@ -207,7 +207,8 @@ def solution(exercise_id: str) -> Path:
 # --------------------------------------------------------------------------------------------- checking
 def _guarded(value, offset: int):
     """(view the kernel gets, guarded buffer, slice of the view in it): the buffer is poisoned (common.poison:
-    NaN for floats, -1 for signed and all ones for unsigned integers) and the view starts `offset` elements past a 256-byte boundary."""
+    NaN for floats, -1 for signed and all ones for unsigned integers) and the view starts `offset` elements
+    past a 256-byte boundary."""
     import cupy as cp
     shape, dtype = value.shape, np.dtype(value.dtype)
     size = int(np.prod(shape))
