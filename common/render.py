@@ -107,14 +107,14 @@ def relink(markdown: str, source_dir: Path, page_dir: Path) -> str:
     return LINK.sub(fix, markdown)
 
 
-def to_markdown(nb, stem: str, folder: Path, header: str, source_dir: Path | None = None) -> str:
+def to_markdown(nb, stem: str, folder: Path, header: str, source_dir: Path) -> str:
     """The executed notebook `nb` as one Markdown page; images go to `folder`. source_dir: the notebook's folder,
     which its markdown cells' relative links start from."""
     parts = [header]
     for i, cell in enumerate(nb.cells):
         src = cell.source if isinstance(cell.source, str) else "".join(cell.source)
         if cell.cell_type == "markdown":
-            parts.append((relink(src, source_dir, folder) if source_dir else src).rstrip() + "\n")
+            parts.append(relink(src, source_dir, folder).rstrip() + "\n")
         elif cell.cell_type == "code":
             if src.strip():
                 parts.append(_fence(src, "python"))

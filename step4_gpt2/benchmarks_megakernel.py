@@ -150,13 +150,14 @@ def timeline(model, version: int, batch: int = 1, ctx: int = 32, steps: int = 1)
 
 
 def timeline_rows(model) -> list[Row]:
+    from step4_gpt2.megakernel import STAGES
     rows = []
     for version in (1, 2):
         for ctx in CTXS:
             _, b = timeline(model, version, 1, ctx)
             size = f"b=1, ctx {ctx}"
             rows.append(Row(f"timeline v{version}: whole step", size, b["span_ms"]))
-            for stage in ("QKV", "attention", "attn proj", "fc", "mlp proj", "LM head"):
+            for stage in STAGES:
                 rows.append(Row(f"  v{version} {stage}: waiting", size, b[stage]["wait_ms"]))
                 rows.append(Row(f"  v{version} {stage}: working", size, b[stage]["work_ms"]))
     return rows

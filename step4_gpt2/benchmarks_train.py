@@ -238,7 +238,7 @@ def quality(steps: int = 300, eval_every: int = 100, data=None, batch: int = B, 
     the same fixed validation batches. Needs the Shakespeare corpus (step 3's loader)."""
     import cupy as cp
     from step4_gpt2 import train_torch as TT
-    from step4_gpt2.train import Data, Trainer, TrainConfig, TrainGPT, init_params, shakespeare_char
+    from step4_gpt2.train import EVAL_SEED, Data, Trainer, TrainConfig, TrainGPT, init_params, shakespeare_char
     data = data or Data.shakespeare("char")
     cfg = shakespeare_char(data.vocab_size)
     tc = TrainConfig(batch_size=batch, max_steps=steps, warmup=min(100, steps // 10), eval_every=eval_every)
@@ -258,7 +258,7 @@ def quality(steps: int = 300, eval_every: int = 100, data=None, batch: int = B, 
         with torch.no_grad():
             tot = 0.0
             for i in range(tc.eval_batches):
-                x, y = data.batch("val", tc.batch_size, cfg.block_size, step=i, seed=tc.seed + 12345)
+                x, y = data.batch("val", tc.batch_size, cfg.block_size, step=i, seed=tc.seed + EVAL_SEED)
                 tot += model(torch.as_tensor(x, device="cuda").long(), torch.as_tensor(y, device="cuda").long()).item()
             return tot / tc.eval_batches
     res = {"val": [], "val_steps": [], "train": [], "steps": [], "seconds": 0.0}

@@ -32,8 +32,8 @@
 //                       advance each sequence's position, all on the device.
 //   advance_v1          pos += 1, lens += 1 (after a token was sampled outside the graph).
 //
-// Compile-time knobs, passed by ops.py as defines (the defaults below only serve the offline compile
-// check): MAXB (batch rows per GEMV launch), ROWS (output rows per warp in gemv_v3, per block in
+// Compile-time knobs, passed by ops.py as defines (the defaults below are ops.py's values, so the file also
+// compiles alone, e.g. with nvcc): MAXB (batch rows per GEMV launch), ROWS (output rows per warp in gemv_v3, per block in
 // gemv_v4/v5), V4_WARPS (warps sharing a row block in gemv_v4), V5_UNROLL (float4 loads per row a lane has
 // in flight in gemv_v5), V5_MAXWARPS (gemv_v5's largest block, in warps: its __launch_bounds__).
 #include "course.cuh"
@@ -138,7 +138,6 @@ extern "C" __global__ void gemv_v1(const float* __restrict__ x, const float* __r
     y[i] = acc + (bias ? bias[n] : 0.0f);
 }
 
-__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 
 // v2: one warp per output row n. Lane l reads float4 number l, l + 32, ... of the row: a warp reads 512
 // contiguous bytes per instruction. Each weight float4 is used for every batch row before the next load.

@@ -105,6 +105,12 @@ enum { LW_LN1W, LW_LN1B, LW_ATTNW, LW_ATTNB, LW_PROJW, LW_PROJB, LW_LN2W, LW_LN2
        LW_MPROJW, LW_MPROJB, LW_KCACHE, LW_VCACHE, LW_COUNT };
 // Counters in sync[] (uint32, zeroed once; they only grow, so targets come from the step number).
 enum { S_BAR, S_ATT_DONE, S_X_DONE, S_H_DONE, S_X2_DONE, S_LM_DONE, S_TOK_DONE, S_HEAD0 = 8 };
+#ifdef MK_LW_COUNT                  // the host's sizes of the pointer table and the fixed counters (megakernel.py)
+static_assert(LW_COUNT == MK_LW_COUNT, "megakernel.py's LW_COUNT differs from the LW_ enum");
+#endif
+#ifdef MK_SYNC_FIXED
+static_assert(S_HEAD0 == MK_SYNC_FIXED, "megakernel.py's SYNC_FIXED differs from S_HEAD0");
+#endif
 #define S_ATTC0 (S_HEAD0 + NH)      // then NB*NH arrival counters, one per (sequence, head)
 enum { ST_QKV, ST_ATT, ST_PROJ, ST_FC, ST_MPROJ, ST_LM };
 #define STAGES_PER_STEP (5 * NL + 1)
@@ -125,7 +131,6 @@ __device__ __forceinline__ int ld_volatile(const int* p) { return *(const volati
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
-__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 
 // Where a stage is: for the error record and the timeline.
 struct Where { int stage, layer, step; };
@@ -641,7 +646,6 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             float* vc = (float*)P[LW_VCACHE];
             const unsigned gl = gs * NL + layer;
             int sidx = step * STAGES_PER_STEP + layer * 5;
-            (void)sidx;
 
             // ================= QKV: x -> LayerNorm -> q, k/v appended
             stamp(ctl, sidx, 0);
@@ -781,7 +785,6 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
 
         // ================= LM head: logits = LayerNorm_f(x) wte^T, greedy choice
         const int sidx = step * STAGES_PER_STEP + 5 * NL;
-        (void)sidx;
         stamp(ctl, sidx, 0);
         if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;
 #if MK_VERSION == 1

@@ -74,7 +74,8 @@ def defines(config, batch: int, version: int = 2, timeline: bool = False, thread
     return {"NB": int(batch), "C": config.n_embd, "NH": config.n_head, "NL": config.n_layer,
             "VOCAB": config.vocab_size, "MK_THREADS": threads, "MK_ROWS": ROWS, "MK_UNROLL": unroll,
             "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL,
-            "MK_EPS": f"{float(config.eps)!r}f", "MK_TIMELINE": int(bool(timeline))}
+            "MK_EPS": f"{float(config.eps)!r}f", "MK_TIMELINE": int(bool(timeline)),
+            "MK_LW_COUNT": LW_COUNT, "MK_SYNC_FIXED": SYNC_FIXED}     # checked against the .cu's own (static_assert)
 
 
 def smem_bytes(config, batch: int, threads: int = THREADS) -> int:

@@ -129,13 +129,13 @@ def _v34_launch(version: int, N: int):
     return launch_grid(N, ROWS), (32 * V4_WARPS,)
 
 
-def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL,
-               blocks_per_sm: int = V5_BLOCKS_PER_SM):
+def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
     """(grid, block, shared bytes) of gemv_v5 kernel fn: the fewest warps (<= V5_MAXWARPS) whose lanes cover
-    a row with `unroll` float4s each; one block per `rows`-row tile, at most blocks_per_sm per SM and no
+    a row with `unroll` float4s each; one block per `rows`-row tile, at most V5_BLOCKS_PER_SM per SM and no
     more than can be resident (common.occupancy), after which blocks loop over tiles."""
     warps = min(V5_MAXWARPS, max(1, -(-(K // 4) // (32 * unroll))))
     smem = nb * K * 4 if ln else 0
+    blocks_per_sm = V5_BLOCKS_PER_SM
     if ln and nb > 2:      # every block re-reads and normalises all nb rows: amortise it over more tiles
         blocks_per_sm = min(blocks_per_sm, V5_LN_BLOCKS_PER_SM)
     per_sm = max(1, min(blocks_per_sm, _resident(fn, 32 * warps, smem)))

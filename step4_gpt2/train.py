@@ -32,6 +32,7 @@ from step4_gpt2.weights import GPTConfig, expected_shapes
 
 OPTIMIZER_FILE, STATE_FILE = "optimizer.safetensors", "trainer_state.json"
 TOKENIZERS = ("char", "gpt2")
+EVAL_SEED = 12345        # added to the training seed: the evaluation batches, the same for every evaluation
 
 
 class CheckpointError(ValueError):
@@ -350,7 +351,7 @@ class Trainer:
         total = cp.zeros((), cp.float64)
         n = batches or c.eval_batches
         for i in range(n):
-            x, y = data.batch(split, c.batch_size, T, step=i, seed=c.seed + 12345)
+            x, y = data.batch(split, c.batch_size, T, step=i, seed=c.seed + EVAL_SEED)
             total += self.model.forward(cp.asarray(x), cp.asarray(y), grad=False, check=False)
         return float(total) / n
 

@@ -61,8 +61,8 @@ def encoder_forward(idx, wte, wpe, out=None):
     return out
 
 
-def encoder_backward(dx, idx, dwte, dwpe, version: int = 2, accumulate_wte: bool = True):
-    """dwte += scatter of dx's rows by token (dwte is overwritten instead with accumulate_wte=False);
+def encoder_backward(dx, idx, dwte, dwpe, version: int = 2):
+    """dwte += scatter of dx's rows by token (the LM head's gradient is already in it: tied embeddings);
     dwpe[:T] = sum over the batch of dx, dwpe[T:] = 0. version 1: atomics (run-to-run bit differences when a
     token repeats); version 2: sorted by token, a fixed order of additions (deterministic)."""
     import cupy as cp
@@ -73,8 +73,6 @@ def encoder_backward(dx, idx, dwte, dwpe, version: int = 2, accumulate_wte: bool
     V, C = dwte.shape
     dx = expect_array(dx, "dx", dtype=np.float32, shape=(B * T, C))
     dwpe = expect_array(dwpe, "dwpe", dtype=np.float32, shape=(None, C))
-    if not accumulate_wte:
-        dwte.fill(0)
     if dx.size:
         if version == 1:
             _k("encoder_backward_v1")(_grid(dx.size), (BLOCK,), (dx, idx, dwte, np.int64(dx.size), np.int32(C), np.int32(V)))
@@ -335,5 +333,4 @@ def classifier(logits, targets, losses=None, scale: float | None = None, grad: b
     """Step 3's fused classifier with no bias: per-row losses, and (grad=True) logits overwritten in place
     with dlogits = (softmax - onehot) * scale (default 1/N). One block per row; probabilities never stored."""
     from step3_fused.training import classifier as fused
-    logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)
     return fused(logits, None, targets, mode="grad" if grad else "loss", scale=scale, losses=losses, check=False)

@@ -317,7 +317,7 @@ def save(params: dict, cfg: GPTConfig, directory) -> Path:
     validate(params, cfg)
     path = directory / WEIGHTS_FILE
     save_file({n: np.ascontiguousarray(t) for n, t in params.items()}, str(path), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    (directory / CONFIG_FILE).write_text(json.dumps(cfg.to_hf(), indent=1))
     return path
 
 

@@ -9,7 +9,7 @@ compute-sanitizer (tests/sanitize.py)."""
 import numpy as np
 import pytest
 
-from common import errors
+from tests.test_step4_gpt2 import max_rel
 from common.kernels import ARCHS, compile_offline, supported_archs
 from common.reference import gpt2 as ref
 from step4_gpt2 import megakernel as M
@@ -21,12 +21,6 @@ G124 = W.GPTConfig()
 SMALL4 = W.GPTConfig(n_layer=4, n_head=4, n_embd=256, vocab_size=50257, block_size=512)
 TINY = W.GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=300, block_size=64)   # head_dim 32
 LENS = [8, 3, 12, 5, 1, 9, 7, 2]          # prompt lengths of a batch of 8 (batch 1, 2: the first ones)
-
-
-def max_rel(a, b) -> float:
-    """max |a - b| / max |b| (an element-wise relative error blows up on logits near 0)."""
-    _, max_abs = errors(a, b)
-    return max_abs / float(np.abs(np.asarray(b, np.float64)).max())
 
 
 # ============================================================================ CPU

@@ -43,6 +43,9 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// Dot product of two float4s (a float4 load of a row against one of a vector).
+__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
 // GELU, tanh approximation (GPT-2's "gelu_new").
 __device__ __forceinline__ float gelu_tanh(float x) {
     const float k = 0.7978845608028654f;   // sqrt(2/pi)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import launch_grid, reference
+from common import launch_grid, rand, reference
 from common.exercises import Exercise, Out, Speed
 
 HERE = "step1_simple/exercises"
@@ -17,7 +17,7 @@ A, B, LO, HI = 1.5, 0.25, -1.0, 2.0       # y = clamp(A x + B, LO, HI): both end
 
 def _clamp_make(p, rng):
     n = p["n"]
-    return {"x": rng.uniform(-3, 3, n).astype(np.float32), "y": Out(n), "grid": p.get("grid")}
+    return {"x": rand(n, low=-3, high=3, rng=rng), "y": Out(n), "grid": p.get("grid")}
 
 
 def _clamp_ref(h):
@@ -49,7 +49,7 @@ def _course_axpb(version):
 
 def _max_make(p, rng):
     n = p["n"]
-    x = rng.uniform(-5, -1, n).astype(np.float32)       # all negative: a max that starts at 0 is wrong
+    x = rand(n, low=-5, high=-1, rng=rng)       # all negative: a max that starts at 0 is wrong
     if p.get("max_last"):
         x[-1] = -0.5                                     # the largest element in the last, partial block
     return {"x": x, "out": Out(1), "grid": p.get("grid")}
