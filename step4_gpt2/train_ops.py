@@ -333,4 +333,5 @@ def classifier(logits, targets, losses=None, scale: float | None = None, grad: b
     """Step 3's fused classifier with no bias: per-row losses, and (grad=True) logits overwritten in place
     with dlogits = (softmax - onehot) * scale (default 1/N). One block per row; probabilities never stored."""
     from step3_fused.training import classifier as fused
+    logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)    # named as this function's argument
     return fused(logits, None, targets, mode="grad" if grad else "loss", scale=scale, losses=losses, check=False)
