@@ -426,11 +426,8 @@ def _summary(result: CheckResult) -> CheckResult:
 
 # ---------------------------------------------------------------------------------------------- timing
 def _rate(t, ceiling: float | None, unit: str) -> str:
-    if t.bytes is not None:
-        s = f"{t.median_ms * 1e3:.1f} us, {t.gbps:,.0f} GB/s"
-        return s + (f" = {100 * t.gbps / ceiling:.0f} % of {unit}" if ceiling else "")
-    s = f"{t.median_ms * 1e3:.1f} us, {t.tflops:.2f} TFLOP/s"
-    return s + (f" = {100 * t.tflops / ceiling:.0f} % of {unit}" if ceiling else "")
+    s = f"{t.median_ms * 1e3:.1f} us, " + (f"{t.gbps:,.0f} GB/s" if t.bytes is not None else f"{t.tflops:.2f} TFLOP/s")
+    return s + (f" = {100 * t.fraction(ceiling):.0f} % of {unit}" if ceiling else "")
 
 
 def _time(ex: Exercise, kern) -> dict:

@@ -216,7 +216,9 @@ def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
     warps = -(-block // 32)
     regs_per_warp = -(-regs * 32 // 256) * 256
     by_regs = (d["registers_per_sm"] // regs_per_warp) // warps if regs else 10 ** 9
-    by_threads = d["max_threads_per_sm"] // (warps * 32)
+    # A block larger than this kernel can launch (its __launch_bounds__) fits nowhere: threads count 0 then, so
+    # when not one block fits (blocks == 0) the smallest count, 0, names the resource that prevents it.
+    by_threads = d["max_threads_per_sm"] // (warps * 32) if block <= kernel.max_threads_per_block else 0
     smem = kernel.shared_size_bytes + dynamic_smem
     by_smem = d["shared_per_sm"] // (smem + 1024) if smem else 10 ** 9
     limiter = min((by_regs, "registers"), (by_threads, "threads"), (by_smem, "shared memory"),

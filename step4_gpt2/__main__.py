@@ -52,9 +52,7 @@ def main(argv=None) -> int:
     tok = tokenizer.for_checkpoint(args.weights) if args.weights else tokenizer.BPETokenizer()
     model = GPT(cfg, params)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-              mode="eager" if args.no_graph else args.decode)
-    if tok.eot is None:
-        kw["stop_at_eos"] = False
+              mode="eager" if args.no_graph else args.decode, eos=tok.eot)     # eot None: nothing stops
     if len(args.prompt) == 1:          # streamed as it is made
         gen = generate_streamed(model, args.prompt[0], args.max_new_tokens, tokenizer=tok, **kw)
     else:

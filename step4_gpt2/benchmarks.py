@@ -89,13 +89,13 @@ def hf_generate_s(hf, batch: int, n: int) -> float:
     return wall_s(run)
 
 
-def ours_generate_s(model, batch: int, n: int, cuda_graph: bool = True, **options) -> float:
+def ours_generate_s(model, batch: int, n: int, **options) -> float:
     """Median seconds of generate() for `batch` copies of PROMPT; options go to generate (mode, reuse and
     the Decoder's plan, attention_v1_max_len, pipeline_depth ...)."""
     from step4_gpt2.generate import generate
 
     def run():
-        gen = generate(model, [PROMPT] * batch, n, stop_at_eos=False, cuda_graph=cuda_graph, **options)
+        gen = generate(model, [PROMPT] * batch, n, stop_at_eos=False, **options)
         assert len(gen.tokens[0]) == n
     return wall_s(run)
 
@@ -106,10 +106,11 @@ def decode_rows(model, hf) -> list[Row]:
     rows = []
     for batch in (1, 8):
         hf_s = hf_generate_s(hf, batch, NEW_TOKENS) if hf is not None else None
-        for graph in (True, False):
-            s = ours_generate_s(model, batch, NEW_TOKENS, graph)
+        for mode in ("graph", "eager"):        # named: mode="auto" may pick the megakernel (AUTO_MAX_BATCH)
+            s = ours_generate_s(model, batch, NEW_TOKENS, mode=mode)
             tps = batch * NEW_TOKENS / s
-            row = Row(f"decode b={batch} ({'CUDA graph' if graph else 'eager launches'})", f"124M, {NEW_TOKENS} tok",
+            label = "CUDA graph" if mode == "graph" else "eager launches"
+            row = Row(f"decode b={batch} ({label})", f"124M, {NEW_TOKENS} tok",
                       s / NEW_TOKENS * 1e3, tps, "tok/s", "weight-bw bound",
                       bytes_tok * (tps / batch) / (bw * 1e9))
             if hf_s is not None:

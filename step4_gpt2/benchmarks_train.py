@@ -113,7 +113,6 @@ def train_breakdown_rows() -> list[Row]:
     calls as one step makes, and its share of the whole step (CUDA events, median)."""
     import cupy as cp
     from step4_gpt2 import train_ops as ops
-    from step4_gpt2.train import clip_grad_norm
     trainer, _ = ours_step()
     m = trainer.model
     cfg, P, G = m.config, m.params, m.grads
@@ -179,7 +178,7 @@ def train_breakdown_rows() -> list[Row]:
         "bias gradients (column sums)": (lambda: [(ops.column_sum(a.dres, out=G[f"h.{i}.mlp.c_proj.bias"]), ops.column_sum(a.dres, out=G[f"h.{i}.attn.c_proj.bias"]), ops.column_sum(a.dqkv.reshape(N, 3 * C), out=G[f"h.{i}.attn.c_attn.bias"])) for i in range(L)], None),
         "embeddings forward + backward": (lambda: (ops.encoder_forward(x, P["wte.weight"], P["wpe.weight"], out=a.tmp), ops.encoder_backward(a.dres, x, G["wte.weight"], G["wpe.weight"])), None),
         "fused classifier": (lambda: ops.classifier(a.logits, y.reshape(N), losses=a.losses, grad=False), None),
-        "grad-norm clip + AdamW (one launch)": (lambda: (clip_grad_norm(m.gflat, 1.0), trainer.opt.step(G)), None),
+        "grad-norm clip + AdamW (one launch)": (lambda: (ops.clip_grad_norm(m.gflat, 1.0), trainer.opt.step(G)), None),
     }
     rows.insert(0, Row("whole training step (ours)", SIZE, whole.median_ms, rate=N / (whole.median_ms * 1e-3), unit="tok/s"))
     rows.insert(1, Row("whole step, host clock from idle", SIZE, whole.wall_median_ms, rate=N / (whole.wall_median_ms * 1e-3),

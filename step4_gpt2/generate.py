@@ -94,9 +94,13 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0                    # decode steps run (tokens per sequence after the first)
-    graph: bool = False               # decoded by replaying CUDA graphs
     mode: str = ""                    # the decoder's mode: "graph", "eager", "megakernel" ("no cache")
     info: dict = field(default_factory=dict)
+
+    @property
+    def graph(self) -> bool:
+        """Decoded by replaying CUDA graphs (mode "graph")."""
+        return self.mode == "graph"
 
     @property
     def tokens_per_s(self) -> float:
@@ -344,11 +348,12 @@ def make_decoder(model, mode: str, batch: int, length: int, greedy: bool, reuse:
 
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = 0, stop_at_eos: bool = True, kv_cache: bool = True,
-             cuda_graph: bool = True, on_token=None, eos: int = EOT, mode: str = "auto", reuse: bool = True,
+             cuda_graph: bool = True, on_token=None, eos: int | None = EOT, mode: str = "auto", reuse: bool = True,
              decoder=None, **decoder_options) -> Generation:
     """New tokens for a batch of prompts (lists of ids, or strings). on_token(b, id) is called as each
-    token is made (streaming). temperature=0 is greedy. Raises ValueError if a prompt plus the new
-    tokens would not fit the context (block_size).
+    token is made (streaming). temperature=0 is greedy. stop_at_eos: a sequence stops at its first `eos`
+    (None: a vocabulary without an end-of-text token; nothing stops). Raises ValueError if a prompt plus the
+    new tokens would not fit the context (block_size).
     mode: "auto", "graph", "eager" or "megakernel" (cuda_graph=False is "eager"); decoder_options go to the
     decoder (Decoder: plan, attention_version, attention_v1_max_len, pipeline_depth); reuse: keep the
     decoder on the model for the next call; decoder: one the caller made and keeps (built for this batch,
@@ -371,6 +376,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     choose = None if greedy else (lambda logits: sample(logits, rng.random(B), temperature, top_k, top_p))
     gen = Generation([[] for _ in range(B)], lens)
     done = [False] * B
+    stop_at_eos = stop_at_eos and eos is not None
 
     def record(host_tokens) -> bool:
         for b, t in enumerate(host_tokens):
@@ -392,7 +398,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     elif (decoder.batch, decoder.length, decoder.greedy) != (B, length, greedy):
         raise ValueError(f"decoder: built for batch {decoder.batch}, {decoder.length} cache rows, greedy="
                          f"{decoder.greedy}; this call needs {B}, {length}, greedy={greedy}")
-    gen.mode, gen.graph = decoder.mode, decoder.mode == "graph"
+    gen.mode = decoder.mode
     t0 = time.perf_counter()
     first = decoder.prefill(padded, lens, choose)
     gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
@@ -439,8 +445,7 @@ def generate_streamed(model, prompt: str, max_new_tokens: int = 64, stream_print
     if stream_print:
         print(prompt, end="", flush=True)
     on_token = (lambda b, t: printer(t) if t != tok.eot else None) if stream_print else None
-    if tok.eot is None:
-        kw.setdefault("stop_at_eos", False)
+    kw.setdefault("eos", tok.eot)               # None (a character vocabulary): nothing stops the text
     gen = generate(model, [tok.encode(prompt)], max_new_tokens, on_token=on_token, **kw)
     if stream_print:
         print()

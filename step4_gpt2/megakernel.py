@@ -32,6 +32,7 @@ import numpy as np
 
 from common import allow_dynamic_smem, device_info, expect_choice, get_kernel, occupancy, require_gpu
 from step4_gpt2.generate import PIPELINE_DEPTH, Decoder
+from step4_gpt2.weights import GPTConfig
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "megakernel.cu"
@@ -78,11 +79,35 @@ def defines(config, batch: int, version: int = 2, timeline: bool = False, thread
             "MK_LW_COUNT": LW_COUNT, "MK_SYNC_FIXED": SYNC_FIXED}     # checked against the .cu's own (static_assert)
 
 
+# For tests/test_compile.py: GPT-2 124M at batch 1 (the .cu's own defaults), and LW_COUNT / SYNC_FIXED checked.
+CU_DEFINES = {SOURCE: defines(GPTConfig(), 1)}
+
+
 def smem_bytes(config, batch: int, threads: int = THREADS) -> int:
     """Dynamic shared memory per block: the stage input (batch x 4C), the cross-warp partial sums, and each
     warp's q row and attention probabilities."""
     warps = threads // 32
     return 4 * (batch * 4 * config.n_embd + 2 * warps * ROWS * batch + warps * config.head_dim + warps * ATT_MAXCL)
+
+
+def _fit(config, batch: int, version: int = 2, timeline: bool = False, threads: int = THREADS,
+         unroll: int = UNROLL) -> tuple:
+    """(kernel, dynamic shared memory per block, resident blocks per SM >= 1) of the megakernel for this config
+    and batch on this GPU; MegakernelUnavailable where its shared memory is past the GPU's opt-in limit or not
+    one block fits on an SM (every block must be resident at once). The constructor and mode="auto" ask this."""
+    fn = get_kernel(SOURCE, KERNEL, defines(config, batch, version, timeline, threads, unroll))
+    smem = smem_bytes(config, batch, threads)
+    try:
+        allow_dynamic_smem(fn, smem, f"batch={batch}: the megakernel's stage inputs")
+    except ValueError as e:
+        raise MegakernelUnavailable(str(e)) from None
+    per_sm = int(occupancy(fn, threads, smem)["blocks_per_sm"])
+    if per_sm < 1:
+        raise MegakernelUnavailable(
+            f"not one block of the megakernel ({threads} threads, {fn.num_regs} registers each, {smem:,} B of "
+            f"shared memory) fits on an SM of this GPU ({device_info()['name']}); every block must be resident "
+            f"at once, so it cannot run here")
+    return fn, smem, per_sm
 
 
 class MegakernelDecoder(Decoder):
@@ -121,20 +146,8 @@ class MegakernelDecoder(Decoder):
         self.version, self.steps_per_launch, self.threads = version, int(steps_per_launch), threads
         self.timeout_ns, self.timeline = int(timeout_s * 1e9), bool(timeline)
 
-        self.fn = get_kernel(SOURCE, KERNEL, defines(cfg, batch, version, timeline, threads, unroll))
-        self.smem = smem_bytes(cfg, batch, threads)
-        try:
-            allow_dynamic_smem(self.fn, self.smem, f"batch={batch}: the megakernel's stage inputs")
-        except ValueError as e:
-            raise MegakernelUnavailable(str(e)) from None
-        per_sm = int(occupancy(self.fn, threads, self.smem)["blocks_per_sm"])
-        d = device_info()
-        if per_sm < 1:
-            raise MegakernelUnavailable(
-                f"not one block of the megakernel ({threads} threads, {self.fn.num_regs} registers each, "
-                f"{self.smem:,} B of shared memory) fits on an SM of this GPU ({d['name']}); every block must "
-                f"be resident at once, so it cannot run here")
-        self.grid = d["multiprocessors"] * min(int(blocks_per_sm), per_sm)
+        self.fn, self.smem, per_sm = _fit(cfg, batch, version, timeline, threads, unroll)
+        self.grid = device_info()["multiprocessors"] * min(int(blocks_per_sm), per_sm)
         if max_blocks is not None:
             self.grid = min(self.grid, int(max_blocks))
         self.resident_per_sm = per_sm
@@ -168,14 +181,10 @@ class MegakernelDecoder(Decoder):
         if not greedy or unsupported_reason(model.config, batch) or batch > AUTO_MAX_BATCH:
             return False
         try:
-            fn = get_kernel(SOURCE, KERNEL, defines(model.config, batch))
-            smem = smem_bytes(model.config, batch)
-            if smem > device_info()["shared_per_block_optin"]:
-                return False
-            allow_dynamic_smem(fn, smem, "megakernel")
-            return occupancy(fn, THREADS, smem)["blocks_per_sm"] >= 1
+            _fit(model.config, batch)
         except MegakernelUnavailable:
             return False
+        return True
 
     # ------------------------------------------------------------------ the Decoder interface
     def _info(self) -> dict:

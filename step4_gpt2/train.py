@@ -299,29 +299,6 @@ class TrainConfig:
         return lr_at(step, self.lr, self.warmup, self.max_steps, self.min_lr)
 
 
-_NORM = _CLIP = None
-
-
-def _clip_kernels():
-    global _NORM, _CLIP
-    if _NORM is None:
-        import cupy as cp
-        _NORM = cp.ReductionKernel("float32 g", "float32 n", "g * g", "a + b", "n = sqrt(a)", "0", "grad_norm")
-        _CLIP = cp.ElementwiseKernel("float32 n, float32 max_norm", "float32 g",
-                                     "g *= min(1.0f, max_norm / (n + 1e-6f))", "clip_by_norm")
-    return _NORM, _CLIP
-
-
-def clip_grad_norm(gflat, max_norm: float):
-    """Global gradient-norm clipping over the flat gradient buffer, on the GPU (no sync): g *= min(1,
-    max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_. Returns the norm (a CuPy scalar)."""
-    norm_k, clip_k = _clip_kernels()
-    norm = norm_k(gflat)
-    if max_norm > 0:
-        clip_k(norm, np.float32(max_norm), gflat)
-    return norm
-
-
 class Trainer:
     """AdamW (step 3's one-launch multi-tensor kernel) + warm-up/cosine schedule + clipping around a TrainGPT."""
 
@@ -338,7 +315,7 @@ class Trainer:
     def step(self, idx, targets, check: bool = True):
         """One training step (forward, backward, clip, AdamW); the batch's loss before the update (CuPy scalar)."""
         loss = self.model.loss_and_grads(idx, targets, check=check)
-        self.last_norm = clip_grad_norm(self.model.gflat, self.config.grad_clip)
+        self.last_norm = ops.clip_grad_norm(self.model.gflat, self.config.grad_clip)
         self.opt.lr = self.config.lr_at(self.step_count)
         self.opt.step(self.model.grads)
         self.step_count += 1
@@ -417,23 +394,15 @@ class Trainer:
         """Continue from a checkpoint saved by save(): weights, AdamW state and step. CheckpointError if it
         was made for another model config (or has no optimizer state)."""
         import cupy as cp
-        from safetensors.numpy import load_file
-        from step4_gpt2 import weights
-        directory = Path(directory)
-        cfg = weights.GPTConfig.from_file(directory / "config.json")
-        mine = self.model.config
-        diff = [f"{f.name}={getattr(cfg, f.name)} (this model: {getattr(mine, f.name)})" for f in fields(GPTConfig)
-                if getattr(cfg, f.name) != getattr(mine, f.name)]
-        if diff:
-            raise CheckpointError(f"directory: {directory} holds a checkpoint of another model config: {', '.join(diff)}")
-        if not (directory / OPTIMIZER_FILE).is_file() or not (directory / STATE_FILE).is_file():
-            raise CheckpointError(f"directory: {directory} has no {OPTIMIZER_FILE} / {STATE_FILE}: it holds weights "
-                                  f"only, not a training state to resume (load the weights with TrainGPT instead)")
-        _, params = weights.load_file(directory, cfg)
-        opt = load_file(str(directory / OPTIMIZER_FILE))
-        state = json.loads((directory / STATE_FILE).read_text())
+        _, params, opt, state = _read_checkpoint(directory, self.model.config)
         for k in self.model.params:
             self.model.params[k][...] = cp.asarray(params[k])
+        return self._resume(opt, state)
+
+    def _resume(self, opt: dict, state: dict) -> "Trainer":
+        """The AdamW moments and the step of a checkpoint (as _read_checkpoint returns them)."""
+        import cupy as cp
+        for k in self.model.params:
             self.opt.m[k][...] = cp.asarray(opt[f"m.{k}"])
             self.opt.v[k][...] = cp.asarray(opt[f"v.{k}"])
         self.step_count, self.opt.t = int(state["step"]), int(state["adam_t"])
@@ -443,12 +412,30 @@ class Trainer:
     def from_checkpoint(cls, directory, config: TrainConfig | None = None) -> "Trainer":
         """A Trainer (model built from config.json) resumed from `directory`; the saved TrainConfig unless
         `config` is given."""
-        from step4_gpt2 import weights
-        directory = Path(directory)
-        cfg = weights.GPTConfig.from_file(directory / "config.json")
-        if config is None and (directory / STATE_FILE).is_file():
-            config = TrainConfig(**json.loads((directory / STATE_FILE).read_text())["train_config"])
-        return cls(TrainGPT(cfg, init_params(cfg)), config).load(directory)
+        cfg, params, opt, state = _read_checkpoint(directory)
+        if config is None:
+            config = TrainConfig(**state["train_config"])
+        return cls(TrainGPT(cfg, params), config)._resume(opt, state)
+
+
+def _read_checkpoint(directory, model_config: GPTConfig | None = None) -> tuple[GPTConfig, dict, dict, dict]:
+    """(model config, weights, AdamW state, trainer state) of a checkpoint saved by Trainer.save, each file read
+    once. CheckpointError if it was made for another model config than model_config (None: any), or has no
+    optimizer state."""
+    from safetensors.numpy import load_file
+    from step4_gpt2 import weights
+    directory = Path(directory)
+    cfg = GPTConfig.from_file(directory / "config.json")
+    if model_config is not None:
+        diff = [f"{f.name}={getattr(cfg, f.name)} (this model: {getattr(model_config, f.name)})"
+                for f in fields(GPTConfig) if getattr(cfg, f.name) != getattr(model_config, f.name)]
+        if diff:
+            raise CheckpointError(f"directory: {directory} holds a checkpoint of another model config: {', '.join(diff)}")
+    if not (directory / OPTIMIZER_FILE).is_file() or not (directory / STATE_FILE).is_file():
+        raise CheckpointError(f"directory: {directory} has no {OPTIMIZER_FILE} / {STATE_FILE}: it holds weights "
+                              f"only, not a training state to resume (load the weights with TrainGPT instead)")
+    _, params = weights.load_file(directory, cfg)
+    return cfg, params, load_file(str(directory / OPTIMIZER_FILE)), json.loads((directory / STATE_FILE).read_text())
 
 
 # ============================================================================ text and plots

@@ -4,10 +4,12 @@ Every function takes CuPy float32 arrays (token ids int32), checks them with com
 names the argument), and writes into `out=`-style buffers when given, so the step's activations and gradients are
 allocated once (the reductions' partial sums and the attention backward's row terms are still per call).
 The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu), the attention
-forward is step 2's flash attention (flash_attention.cu), asked to save each row's log-sum-exp.
+forward is step 2's flash attention (flash_attention.cu), asked to save each row's log-sum-exp; the global
+gradient-norm clipping is two CuPy-generated kernels (a reduction and an in-place scaling).
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -259,9 +261,8 @@ def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, versio
         _k("attention_backward_dkv", D)(grid, (2 * ATT_ROWS,), args)
         _k("attention_backward_dq", D)(grid, (2 * ATT_ROWS,), args)
         return dqkv
-    x = qkv if bias is None else qkv + bias
-    q, k, v = (cp.ascontiguousarray(x[..., j * C:(j + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3))
-               for j in range(3))
+    from step3_fused.ops import split_heads
+    q, k, v = split_heads(qkv if bias is None else qkv + bias, H)   # each (B, H, T, D), C-contiguous
     do = cp.ascontiguousarray(dout.reshape(B, T, H, D).transpose(0, 2, 1, 3))
     p = cp.matmul(q, k.transpose(0, 1, 3, 2))                        # (B, H, T, T): the scores, in DRAM
     n = p.size
@@ -335,3 +336,25 @@ def classifier(logits, targets, losses=None, scale: float | None = None, grad: b
     from step3_fused.training import classifier as fused
     logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)    # named as this function's argument
     return fused(logits, None, targets, mode="grad" if grad else "loss", scale=scale, losses=losses, check=False)
+
+
+# ---------------------------------------------------------------------------------------- gradient clipping
+@functools.lru_cache(maxsize=None)
+def _clip_kernels():
+    """CuPy-generated kernels of clip_grad_norm: the norm (one reduction) and the in-place scaling."""
+    import cupy as cp
+    norm = cp.ReductionKernel("float32 g", "float32 n", "g * g", "a + b", "n = sqrt(a)", "0", "grad_norm")
+    clip = cp.ElementwiseKernel("float32 n, float32 max_norm", "float32 g",
+                                "g *= min(1.0f, max_norm / (n + 1e-6f))", "clip_by_norm")
+    return norm, clip
+
+
+def clip_grad_norm(gflat, max_norm: float):
+    """Global gradient-norm clipping over the flat gradient buffer, on the GPU (no sync): g *= min(1,
+    max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_. Returns the norm (a CuPy scalar)."""
+    gflat = expect_array(gflat, "gflat", dtype=np.float32, ndim=1)
+    norm_k, clip_k = _clip_kernels()
+    norm = norm_k(gflat)
+    if max_norm > 0:
+        clip_k(norm, np.float32(max_norm), gflat)
+    return norm

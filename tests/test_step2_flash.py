@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from common import assert_close, capture_graph, poison, rand, reference as R
+from common.reference import fusion as RF
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -103,12 +104,8 @@ def test_flash_fp32_misaligned_views_fall_back_to_v2(causal):
 
 
 def qkv_reference(qkv, n_head, causal, bias):
-    x = R.f64(qkv) + (0.0 if bias is None else R.f64(bias))
-    B, T, C3 = x.shape
-    C, D = C3 // 3, C3 // 3 // n_head
-    heads = x.reshape(B, T, 3, n_head, D).transpose(2, 0, 3, 1, 4)       # (3, B, H, T, D)
-    o = R.attention(heads[0], heads[1], heads[2], causal=causal)           # (B, H, T, D)
-    return o.transpose(0, 2, 1, 3).reshape(B, T, C)
+    q, k, v = RF.split_heads(R.f64(qkv) + (0.0 if bias is None else R.f64(bias)), n_head)   # (B, H, T, D)
+    return RF.merge_heads(R.attention(q, k, v, causal=causal))                            # (B, T, C)
 
 
 @pytest.mark.parametrize("T", [1, 65, 1000])
@@ -172,8 +169,7 @@ def test_flash_qkv_writes_lse(version, causal, n_head, D):
     out, lse = poison(cp.empty((B, T, C), cp.float32)), poison(cp.empty((B, n_head, T), cp.float32))
     flash.flash_attention_qkv(qkv, n_head, causal=causal, bias=bias, out=out, version=version, lse=lse)
     assert cp.array_equal(out, plain)
-    x = R.f64(qkv) + R.f64(bias)
-    q, k = (x[..., j * C:(j + 1) * C].reshape(B, T, n_head, D).transpose(0, 2, 1, 3) for j in range(2))
+    q, k, _ = RF.split_heads(R.f64(qkv) + R.f64(bias), n_head)
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)
     if causal:
         s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
