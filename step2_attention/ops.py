@@ -205,7 +205,7 @@ MMA_SHAPES = {"a": (MMA_M, MMA_K), "b": (MMA_K, MMA_N), "c": (MMA_M, MMA_N)}
 MMA_V3_WARPS = 4        # v3: warps per block, each one 16x8 tile of C
 MMA_CU = HERE / "mma_tile.cu"
 MMA_DEFINES = {"V3_WARPS": MMA_V3_WARPS}
-MMA_KERNELS = tuple(f"{k}<{bf16}>" for k in ("mma_tile_v1", "mma_tile_v2", "mma_tile_v3", "mma_fragments")
+MMA_KERNELS = tuple(f"{k}<{bf16}>" for k in (*(f"mma_tile_v{v}" for v in MMA_VERSIONS), "mma_fragments")
                     for bf16 in ("false", "true"))        # the template instantiations the wrappers launch
 CU_DEFINES = {MMA_CU: MMA_DEFINES}                        # for tests/test_compile.py
 CU_TEMPLATES = {MMA_CU: MMA_KERNELS}                      # and for get_kernel: one module for them all

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 from common import expect_array, expect_choice, launch_grid, get_kernel, allow_dynamic_smem, out_array, require_gpu
-from common import occupancy  # noqa: F401  (ops.occupancy: re-exported for the notebooks)
 
 HERE = Path(__file__).resolve().parent
 LAYERNORM, RESIDUAL_LN = HERE / "layernorm.cu", HERE / "residual_layernorm.cu"

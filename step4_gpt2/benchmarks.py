@@ -77,25 +77,26 @@ def wall_s(fn, reps: int = 3) -> float:
     return bench(synced, cpu=True, warmup=1, repeat=reps).median_ms / 1e3
 
 
-def hf_generate_s(hf, batch: int, n: int) -> float:
+def hf_generate_s(hf, batch: int, n: int, prompt=PROMPT) -> float:
+    """Median seconds of transformers' greedy generate() of n tokens for `batch` copies of prompt (ids)."""
     import torch
-    ids = torch.tensor([PROMPT] * batch, device="cuda")
+    ids = torch.tensor([list(prompt)] * batch, device="cuda")
 
     def run():
         with torch.no_grad():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                               do_sample=False, use_cache=True)
-        assert out.shape[1] == len(PROMPT) + n
+        assert out.shape[1] == len(prompt) + n
     return wall_s(run)
 
 
-def ours_generate_s(model, batch: int, n: int, **options) -> float:
-    """Median seconds of generate() for `batch` copies of PROMPT; options go to generate (mode, reuse and
-    the Decoder's plan, attention_v1_max_len, pipeline_depth ...)."""
+def ours_generate_s(model, batch: int, n: int, prompt=PROMPT, **options) -> float:
+    """Median seconds of generate() of n tokens for `batch` copies of prompt (ids); options go to generate
+    (mode, reuse and the Decoder's plan, attention_v1_max_len, pipeline_depth ...)."""
     from step4_gpt2.generate import generate
 
     def run():
-        gen = generate(model, [PROMPT] * batch, n, stop_at_eos=False, **options)
+        gen = generate(model, [list(prompt)] * batch, n, stop_at_eos=False, **options)
         assert len(gen.tokens[0]) == n
     return wall_s(run)
 

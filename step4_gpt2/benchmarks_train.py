@@ -29,7 +29,8 @@ def _config():
     return shakespeare_char(V)
 
 
-def _batches(n: int, batch: int = B, seed: int = 0):
+def random_batches(n: int, batch: int = B, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """n (inputs, targets) int32 batches of random ids, lower ids more frequent (no dataset needed)."""
     rng = np.random.default_rng(seed)
     p = np.arange(V, 0, -1, dtype=np.float64)
     out = []
@@ -39,7 +40,7 @@ def _batches(n: int, batch: int = B, seed: int = 0):
     return out
 
 
-def _wall(step, batches, warmup: int = 3) -> float:
+def loop_wall_s(step, batches, warmup: int = 3) -> float:
     """Seconds per step of a loop that runs `step` on each batch, host clock, after `warmup` steps:
     what a training loop sees (launch overheads included, no sync inside the loop). Not benchmarks.wall_s:
     that times one call between syncs; a training loop queues steps on distinct batches without syncing."""
@@ -89,10 +90,10 @@ def torch_step(config=None, tc=None, compiled: bool = False, params=None):
 
 
 def train_throughput_rows(compile_torch: bool = True, steps: int = 20) -> list[Row]:
-    batches = _batches(steps + 3)
+    batches = random_batches(steps + 3)
     tokens = B * T
     _, ours = ours_step()
-    t_ours = _wall(ours, batches)
+    t_ours = loop_wall_s(ours, batches)
     rows = [Row("train step, ours (tok/s)", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s")]
     anchors = [("torch eager", False)] + ([("torch.compile", True)] if compile_torch else [])
     for label, compiled in anchors:
@@ -100,7 +101,7 @@ def train_throughput_rows(compile_torch: bool = True, steps: int = 20) -> list[R
         if step is None:
             print("torch with CUDA not installed: no torch rows")
             break
-        t = _wall(step, batches, warmup=3)
+        t = loop_wall_s(step, batches, warmup=3)
         rows.append(Row(f"train step, {label} (tok/s)", SIZE, t * 1e3, rate=tokens / t, unit="tok/s"))
         r = Row(f"train step, ours vs {label}", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s",
                 anchor=label, ratio=t / t_ours)
@@ -117,7 +118,7 @@ def train_breakdown_rows() -> list[Row]:
     m = trainer.model
     cfg, P, G = m.config, m.params, m.grads
     L, C, H, N = cfg.n_layer, cfg.n_embd, cfg.n_head, B * T
-    x, y = (cp.asarray(a) for a in _batches(1)[0])
+    x, y = (cp.asarray(a) for a in random_batches(1)[0])
     whole = bench(lambda: trainer.step(x, y, check=False), name="whole step")
     rows = []
     m.forward(x, y)                               # fills the activations the pieces below read
@@ -292,15 +293,11 @@ def gradient_check(B_: int = 4, seed: int = 1) -> list[tuple]:
     from step4_gpt2.weights import random_weights
     cfg = _config()
     P = random_weights(cfg, seed, notice=False)   # random biases and LayerNorm parameters too
-    x, y = _batches(1, batch=B_, seed=seed)[0]
+    x, y = random_batches(1, batch=B_, seed=seed)[0]
     m = TrainGPT(cfg, P)
     m.loss_and_grads(cp.asarray(x), cp.asarray(y))
     ours = {k: v.get() for k, v in m.grads.items()}
-    ref = {}
-    for dt in (torch.float32, torch.float64):
-        tm = TT.build(cfg, dtype=dt).load(P)
-        tm(torch.as_tensor(x, device="cuda").long(), torch.as_tensor(y, device="cuda").long()).backward()
-        ref[dt] = tm.grads()
+    ref = {dt: TT.loss_and_grads(cfg, P, x, y, dt)[1] for dt in (torch.float32, torch.float64)}
     groups = {}
     for k in ours:
         g = k.split(".", 2)[-1] if k.startswith("h.") else k

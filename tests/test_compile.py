@@ -4,7 +4,7 @@ warnings and no register spills. This is what CI checks on a machine without a d
 A `.cu` whose constants come from Python (`#ifndef BLOCK / #error ...`) is compiled with the defines its
 module declares in a dict `CU_DEFINES = {path of the .cu: defines}`, and its templated kernels are instantiated
 with the names a module declares in `CU_TEMPLATES = {path of the .cu: names}` (CONTRIBUTING.md). Every kernel name
-the wrappers of steps 1-3 can give get_kernel (read from their source: tests/kernel_names.py) is among them."""
+the wrappers of steps 1-4 can give get_kernel (read from their source: tests/kernel_names.py) is among them."""
 import importlib
 import os
 import re
@@ -98,7 +98,7 @@ def test_missing_define_names_the_line(tmp_path):
 
 
 WRAPPERS = ["step1_simple/ops.py", "step2_attention/ops.py", "step2_attention/flash.py", "step3_fused/ops.py",
-            "step3_fused/training.py", "step4_gpt2/ops.py"]
+            "step3_fused/training.py", "step4_gpt2/ops.py", "step4_gpt2/train_ops.py"]
 
 
 @pytest.mark.parametrize("module", WRAPPERS)

@@ -28,17 +28,17 @@ def test_every_version_a_wrapper_accepts_has_its_kernel():
     from step1_simple import ops as ops1
     from step2_attention import flash
     zoo = (*ops1.ZOO_UNARY, *ops1.ZOO_BINARY, *ops1.ZOO_SCALAR, "fill")
-    wanted = {"step1_simple/axpb.cu": [f"axpb_v{v}" for v in ops1.VERSIONS],
-              "step1_simple/reduce.cu": [f"sum_v{v}" for v in ops1.SUM_VERSIONS],
-              "step1_simple/zoo.cu": [f"zoo_{op}" for op in zoo],
-              "step2_attention/softmax.cu": [f"softmax_v{v}" for v in ops.SOFTMAX_VERSIONS],
-              "step2_attention/matmul.cu": [f"matmul_v{v}" for v in ops.MATMUL_VERSIONS],
-              "step2_attention/flash_attention.cu": [f"flash_v{v}" for v in flash.VERSIONS],
-              "step2_attention/mma_tile.cu": [f"mma_tile_v{v}<{b}>" for v in ops.MMA_VERSIONS for b in ("false", "true")]
+    s1, s2, fl = "step1_simple/ops.py", "step2_attention/ops.py", "step2_attention/flash.py"   # owning modules
+    wanted = {(s1, "step1_simple/axpb.cu"): [f"axpb_v{v}" for v in ops1.VERSIONS],
+              (s1, "step1_simple/reduce.cu"): [f"sum_v{v}" for v in ops1.SUM_VERSIONS],
+              (s1, "step1_simple/zoo.cu"): [f"zoo_{op}" for op in zoo],
+              (s2, "step2_attention/softmax.cu"): [f"softmax_v{v}" for v in ops.SOFTMAX_VERSIONS],
+              (s2, "step2_attention/matmul.cu"): [f"matmul_v{v}" for v in ops.MATMUL_VERSIONS],
+              (fl, "step2_attention/flash_attention.cu"): [f"flash_v{v}" for v in flash.VERSIONS],
+              (s2, "step2_attention/mma_tile.cu"): [f"mma_tile_v{v}<{b}>" for v in ops.MMA_VERSIONS
+                                                    for b in ("false", "true")]
               + [f"mma_fragments<{b}>" for b in ("false", "true")]}
-    for cu, names in wanted.items():
-        owner = "step1_simple/ops.py" if cu.startswith("step1") else \
-            "step2_attention/flash.py" if "flash" in cu else "step2_attention/ops.py"
+    for (owner, cu), names in wanted.items():
         missing = set(names) - set(compiled_kernels(owner, ROOT / cu))
         assert not missing, f"{cu} lacks {sorted(missing)}"
 

@@ -9,15 +9,15 @@ involved (convolution, decode attention + projection, the over-fused GEMM); 2e-5
 sublayers, which chain two fp32 cuBLAS GEMMs (K = C and 3C accumulations, possibly split-K) with
 attention over T keys: each adds ~sqrt(K) * 6e-8 relative error, and LayerNorm passes it on."""
 
+import importlib
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from common import assert_close, capture_graph, poison, rand, reference as R
-from common.kernels import kernel_source
-from tests.kernel_names import compiled_kernels, kernel_requests
+from common import assert_close, capture_graph, occupancy, poison, rand, reference as R
+from common.kernels import ROOT, kernel_source
+from tests.kernel_names import compiled_kernels, declared, kernel_requests
 from common.reference import fusion as RF
 
 try:
@@ -78,22 +78,19 @@ def test_reference_decode_sublayer_is_the_last_row_of_the_full_sublayer():
 
 
 # ------------------------------------------------------------------ CPU: every kernel the wrappers name exists
-def _step3_modules():
-    from step3_fused import ops, training
-    return ops, training
-
-
-@pytest.mark.parametrize("module", ["ops", "training"])
+@pytest.mark.parametrize("module", ["step3_fused/ops.py", "step3_fused/training.py"])
 def test_cu_defines_list_every_launched_file_and_every_kernel_has_its_source(module):
     """tests/test_compile.py checks that each name the wrappers launch is compiled from its .cu with CU_DEFINES;
     here CU_DEFINES names exactly the files the module launches, and every launched kernel's source can be
     shown in a notebook (common.kernel_source)."""
-    mod = dict(zip(("ops", "training"), _step3_modules()))[module]
-    requests = kernel_requests(mod.__file__)
-    assert {cu for cu, _, _ in requests} == {Path(p).resolve() for p in mod.CU_DEFINES}, \
+    mod = importlib.import_module(module[:-3].replace("/", "."))
+    requests = kernel_requests(ROOT / module)
+    assert {cu for cu, _, _ in requests} == set(declared(mod, "CU_DEFINES")), \
         "CU_DEFINES must list exactly the .cu files launched"
     for cu, pattern, _ in requests:
-        for name in (k for k in compiled_kernels(f"step3_fused/{module}.py", cu) if re.fullmatch(pattern, k)):
+        names = [k for k in compiled_kernels(module, cu) if re.fullmatch(pattern, k)]
+        assert names, f"{module}: no kernel of {cu.name} matches {pattern}"
+        for name in names:
             assert kernel_source(cu, name), name
 
 
@@ -407,7 +404,7 @@ def test_ln_linear_overfused(rows, cols, N, C, M):
 def test_occupancy_report():
     ops = _ops()
     light, heavy = ops.overfused_kernel(4, 1), ops.overfused_kernel(16, 8)
-    a, b = ops.occupancy(light, 128, 4 * 768), ops.occupancy(heavy, 128, 16 * 768)
+    a, b = occupancy(light, 128, 4 * 768), occupancy(heavy, 128, 16 * 768)
     assert heavy.num_regs > light.num_regs and b["warps_per_sm"] < a["warps_per_sm"], (a, b)
 
 

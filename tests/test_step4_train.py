@@ -333,14 +333,6 @@ def test_matmul_backward_and_classifier():
 
 
 # ============================================================================ GPU: the whole model
-def torch_grads(cfg, P, idx, tgt, dtype):
-    from step4_gpt2 import train_torch as TT
-    m = TT.build(cfg, device="cuda", dtype=dtype).load(P)
-    loss = m(torch.as_tensor(idx, device="cuda").long(), torch.as_tensor(tgt, device="cuda").long())
-    loss.backward()
-    return loss.item(), m.grads()
-
-
 def whole_model_errors(cfg, B, T, attention_version=2):
     """({name: max relative error vs torch fp32}, relative loss difference)."""
     import common
@@ -352,7 +344,7 @@ def whole_model_errors(cfg, B, T, attention_version=2):
     model.attention_version = attention_version
     loss = float(model.loss_and_grads(cuda(idx), cuda(tgt)))
     ours = {k: v.get() for k, v in model.grads.items()}
-    l32, g32 = torch_grads(cfg, P, idx, tgt, torch.float32)
+    l32, g32 = TT.loss_and_grads(cfg, P, idx, tgt)
     return {k: TT.max_rel_error(ours[k], g32[k]) for k in ours}, abs(loss - l32) / l32
 
 
@@ -405,7 +397,7 @@ def test_twenty_adamw_steps_match_torch():
     from step4_gpt2 import benchmarks_train as BT
     rows = []
     # text-like batches: a few frequent tokens, so the embedding rows repeat as in real data
-    for s, (x, y) in enumerate(BT._batches(20, batch=8, seed=4)):
+    for s, (x, y) in enumerate(BT.random_batches(20, batch=8, seed=4)):
         ours = float(trainer.step(cuda(x), cuda(y)))
         theirs = TT.step(tm, opt, tc, s, torch.as_tensor(x, device="cuda").long(),
                          torch.as_tensor(y, device="cuda").long()).item()

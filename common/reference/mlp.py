@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.reference.ops import cross_entropy, f64, relu, relu_backward, softmax
+from common.reference.ops import cross_entropy, f64, ids, relu, relu_backward, softmax
 
 __all__ = ["PARAMS", "DECAYED", "init_params", "forward", "backward", "loss_and_grads", "sgd_step",
            "adamw_init", "adamw_step", "train"]
@@ -35,21 +35,17 @@ def init_params(vocab: int, embed: int, hidden: int, seed: int = 0, dtype=np.flo
             "b1": np.zeros(hidden, dtype), "W2": glorot(hidden, vocab, (hidden, vocab)), "b2": np.zeros(vocab, dtype)}
 
 
-def _ids(a) -> np.ndarray:
-    return np.asarray(a.get() if hasattr(a, "get") else a).astype(np.int64)
-
-
 def forward(params: dict, ctx, targets=None) -> dict:
     """All intermediates (float64). ctx: (B, K) ids; targets: (B,) ids or None. 'losses' is per sample."""
     p = {k: f64(v) for k, v in params.items()}
-    ctx = _ids(ctx)
+    ctx = ids(ctx)
     x = p["emb"][ctx].mean(axis=1)
     hpre = x @ p["W1"] + p["b1"]
     h = relu(hpre)
     z = h @ p["W2"] + p["b2"]
     out = {"ctx": ctx, "x": x, "hpre": hpre, "h": h, "z": z, "probs": softmax(z)}
     if targets is not None:
-        t = _ids(targets)
+        t = ids(targets)
         out["targets"] = t
         out["losses"] = cross_entropy(z, t)
         out["loss"] = float(out["losses"].mean())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
-    "f64", "axpb", "gelu", "gelu_grad", "relu", "relu_backward", "sigmoid", "ZOO",
-    "sum", "softmax", "matmul", "attention", "decode_attention",
+    "f64", "ids", "axpb", "gelu", "gelu_grad", "relu", "relu_backward", "sigmoid", "ZOO",
+    "sum", "softmax", "matmul", "attention_scores", "attention_lse", "attention", "decode_attention",
     "layernorm", "residual_layernorm", "cross_entropy",
 ]
 
@@ -21,6 +21,11 @@ def f64(a) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- step 1: elementwise and reductions
+def ids(a) -> np.ndarray:
+    """Token ids (NumPy or CuPy, any integer dtype) as an int64 NumPy array, for indexing."""
+    return np.asarray(a.get() if hasattr(a, "get") else a).astype(np.int64)
+
+
 def axpb(x, a: float, b: float) -> np.ndarray:
     return float(a) * f64(x) + float(b)
 
@@ -92,19 +97,31 @@ def matmul(a, b) -> np.ndarray:
     return f64(a) @ f64(b)
 
 
-def attention(q, k, v, causal: bool = True, scale: float | None = None) -> np.ndarray:
-    """Multi-head scaled dot-product attention. q: (..., Tq, D), k and v: (..., Tk, D).
-
-    With causal=True, query i (counted from the end when Tq < Tk) sees keys 0 .. i + (Tk - Tq).
+def attention_scores(q, k, causal: bool = True, scale: float | None = None) -> np.ndarray:
+    """The scaled scores q k^T * scale (..., Tq, Tk), -inf where a causal mask hides a key. q: (..., Tq, D),
+    k: (..., Tk, D). With causal=True, query i (counted from the end when Tq < Tk) sees keys 0 .. i + (Tk - Tq).
     """
-    q, k, v = f64(q), f64(k), f64(v)
+    q, k = f64(q), f64(k)
     tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     s = (q @ np.swapaxes(k, -1, -2)) * scale
     if causal:
         mask = np.arange(tk)[None, :] > (np.arange(tq)[:, None] + (tk - tq))
         s = np.where(mask, -np.inf, s)
-    return softmax(s) @ v
+    return s
+
+
+def attention_lse(q, k, causal: bool = True, scale: float | None = None) -> np.ndarray:
+    """Each query row's log-sum-exp of its scores (..., Tq): what a flash kernel keeps for the backward pass."""
+    s = attention_scores(q, k, causal, scale)
+    m = s.max(axis=-1, keepdims=True)
+    return (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def attention(q, k, v, causal: bool = True, scale: float | None = None) -> np.ndarray:
+    """Multi-head scaled dot-product attention. q: (..., Tq, D), k and v: (..., Tk, D); the causal mask of
+    attention_scores."""
+    return softmax(attention_scores(q, k, causal, scale)) @ f64(v)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale: float | None = None) -> np.ndarray:
@@ -137,5 +154,5 @@ def cross_entropy(logits, targets) -> np.ndarray:
     z = f64(logits)
     z = z - z.max(axis=-1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    t = np.asarray(targets.get() if hasattr(targets, "get") else targets).astype(np.int64)
+    t = ids(targets)
     return -logp[np.arange(len(t)), t]

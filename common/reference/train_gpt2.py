@@ -14,8 +14,8 @@ import numpy as np
 
 from common.reference import mlp
 from common.reference.fusion import merge_heads, split_heads
-from common.reference.mlp import _ids, adamw_init  # noqa: F401  (the same state layout as step 3b's AdamW)
-from common.reference.ops import cross_entropy, f64, gelu, gelu_grad, softmax
+from common.reference.mlp import adamw_init  # noqa: F401  (the same state layout as step 3b's AdamW)
+from common.reference.ops import attention_lse, attention_scores, cross_entropy, f64, gelu, gelu_grad, ids, softmax
 
 __all__ = ["encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
            "attention_forward", "attention_backward", "gelu_bias_forward", "gelu_bias_backward",
@@ -26,13 +26,13 @@ __all__ = ["encoder_forward", "encoder_backward", "layernorm_forward", "layernor
 # ---------------------------------------------------------------- embeddings
 def encoder_forward(wte, wpe, idx) -> np.ndarray:
     """x[b, t] = wte[idx[b, t]] + wpe[t]; idx (B, T) -> (B, T, C)."""
-    idx = _ids(idx)
+    idx = ids(idx)
     return f64(wte)[idx] + f64(wpe)[np.arange(idx.shape[1])][None]
 
 
 def encoder_backward(dx, idx, vocab: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     """(dwte (V, C), dwpe (block, C)) from dx (B, T, C): a scatter-add over repeated tokens, a sum over B."""
-    idx = _ids(idx)
+    idx = ids(idx)
     dx = f64(dx).reshape(idx.shape + (-1,))
     dwte = np.zeros((vocab, dx.shape[-1]))
     np.add.at(dwte, idx.ravel(), dx.reshape(-1, dx.shape[-1]))
@@ -65,17 +65,14 @@ def layernorm_backward(dy, x, weight, mean, rstd):
 def _heads(qkv, bias, n_head: int):
     """q, k, v (B, H, T, D) of the fused buffer with its bias added, and the causal, scaled scores q k^T."""
     q, k, v = split_heads(f64(qkv) + (0.0 if bias is None else f64(bias)), n_head)
-    T, D = q.shape[2], q.shape[3]
-    s = np.where(np.tril(np.ones((T, T), bool)), q @ k.transpose(0, 1, 3, 2) / math.sqrt(D), -np.inf)
-    return q, k, v, s
+    return q, k, v, attention_scores(q, k, causal=True)
 
 
 def attention_forward(qkv, bias, n_head: int):
     """Causal attention. qkv (B, T, 3C) without bias, bias (3C,) -> (out (B, T, C), lse (B, H, T)),
     lse[b, h, i] = log sum_j<=i exp(q_i . k_j / sqrt(D)): all the backward pass needs of the softmax."""
     q, k, v, s = _heads(qkv, bias, n_head)
-    m = s.max(-1, keepdims=True)
-    lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
+    lse = attention_lse(q, k, causal=True)
     return merge_heads(np.exp(s - lse[..., None]) @ v), lse
 
 
@@ -126,7 +123,7 @@ def matmul_backward(dy, x, weight):
 def classifier(logits, targets, scale: float | None = None):
     """(losses (N,), dlogits (N, V)): softmax + cross-entropy, dlogits = (softmax - onehot) * scale
     (scale defaults to 1/N: the gradient of the mean loss)."""
-    t = _ids(targets).ravel()
+    t = ids(targets).ravel()
     losses, d = cross_entropy(logits, t), softmax(logits)
     d[np.arange(len(t)), t] -= 1.0
     return losses, d * (1.0 / len(t) if scale is None else scale)
@@ -166,7 +163,7 @@ def lr_at(step: int, lr: float, warmup: int, max_steps: int, min_lr: float) -> f
 def forward_backward(params: dict, idx, targets, n_head: int, eps: float = 1e-5, grads: bool = True):
     """(mean loss, {name: gradient}) of GPT-2 (HF names, tied LM head) on one batch, all in float64,
     composed of the layer references above exactly as the GPU model composes its kernels."""
-    idx = _ids(idx)
+    idx = ids(idx)
     P = {k: f64(v) for k, v in params.items()}
     B, T = idx.shape
     V, C = P["wte.weight"].shape

@@ -102,12 +102,7 @@ def _scores_make(p, rng):
 
 
 def _scores_ref(h):
-    q, k = h["q"].astype(np.float64), h["k"].astype(np.float64)
-    tq, tk, d = q.shape[1], k.shape[1], q.shape[2]
-    s = q @ k.transpose(0, 2, 1) / math.sqrt(d)
-    if h["causal"]:          # the rule of common.reference.attention: query i sees keys 0 .. i + (Tk - Tq)
-        s = np.where(np.arange(tk)[None, :] > np.arange(tq)[:, None] + (tk - tq), NEG_INF, s)
-    return {"s": s}
+    return {"s": reference.attention_scores(h["q"], h["k"], causal=bool(h["causal"]))}   # masked: -inf
 
 
 def _scores_launch(kern, a):
@@ -137,14 +132,10 @@ def _flash_make(p, rng):
 
 
 def _flash_ref(h):
-    q, k, v = (h[n].astype(np.float64) for n in "qkv")
+    q, k, v, causal = h["q"], h["k"], h["v"], bool(h["causal"])
     scale = 1 / math.sqrt(HEAD_DIM)
-    s = q @ k.transpose(0, 2, 1) * scale
-    if h["causal"]:
-        s = np.where(np.triu(np.ones(s.shape[1:], bool), 1), NEG_INF, s)
-    m = s.max(axis=-1, keepdims=True)
-    lse = (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
-    return {"o": reference.attention(q, k, v, causal=bool(h["causal"]), scale=scale), "lse": lse}
+    return {"o": reference.attention(q, k, v, causal=causal, scale=scale),
+            "lse": reference.attention_lse(q, k, causal=causal, scale=scale)}
 
 
 def _flash_launch(kern, a):

@@ -112,7 +112,8 @@ def _gemv_in_model(kern) -> list:
     import cupy as cp
     model, _ = _model()
     lens = np.array([7, 4])
-    ids = np.random.default_rng(2).integers(0, model.config.vocab_size, (2, 7)).astype(np.int32)
+    from step4_gpt2.benchmarks import random_ids
+    ids = random_ids(model.config, 2, 7, seed=2)
     steps = 12
     want_tokens, want_logits = _greedy(model, ids, lens, steps)
     calls = []
