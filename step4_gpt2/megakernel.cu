@@ -9,8 +9,9 @@
 //   per layer   QKV      LayerNorm(x) (each block recomputes it for the <= 8 rows: cheaper than a stage)
 //                        -> rows of c_attn -> q, and k/v appended to the cache at each sequence's position
 //               ATT      attention over the cache, split over (sequence, head, chunk of positions), one warp
-//                        per unit; the last unit of a (sequence, head) to finish combines the chunks
-//               PROJ     rows of attn c_proj, + bias + residual into x (in place)
+//                        per unit, units dealt round-robin over the blocks (one SM's loads per unit); the last
+//                        unit of a (sequence, head) to finish combines the chunks, or, with few chunks, PROJ
+//               PROJ     (merges the chunks) -> rows of attn c_proj, + bias + residual into x (in place)
 //               FC       LayerNorm(x) -> rows of c_fc -> GELU -> h
 //               MPROJ    rows of mlp c_proj, + bias + residual into x
 //   then        LM       LayerNorm_f(x) -> rows of the tied LM head -> logits, and the greedy choice:
@@ -40,8 +41,8 @@
 //
 // Compile-time constants (defaults: GPT-2 124M, batch 1): NB (batch rows), C, NH, NL, VOCAB, MK_THREADS,
 // MK_ROWS, MK_UNROLL, MK_VERSION (1|2), MK_PF_WAVES (waves of weight rows prefetched ahead, v2),
-// ATT_MAXCL (most positions per attention unit), MK_ATT_PF_MAX (bytes of KV cache v2 prefetches), MK_EPS
-// (LayerNorm epsilon), MK_TIMELINE.
+// ATT_MAXCL (most positions per attention unit), MK_ATT_PF_MAX (bytes of KV cache v2 prefetches),
+// MK_MERGE_MAX (most NB x chunks the projection merges itself), MK_EPS (LayerNorm epsilon), MK_TIMELINE.
 #include "course.cuh"
 
 #ifndef NB
@@ -80,6 +81,9 @@
 #ifndef MK_ATT_PF_MAX
 #define MK_ATT_PF_MAX (16ll << 20)
 #endif
+#ifndef MK_MERGE_MAX
+#define MK_MERGE_MAX 4
+#endif
 #ifndef MK_EPS
 #define MK_EPS 1e-5f
 #endif
@@ -99,6 +103,7 @@ static_assert(HD % R == 0, "a row group of QKV must not straddle q/k/v or two he
 static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024 && NWARPS >= NB, "MK_THREADS: a warp per batch row");
 static_assert(MK_VERSION == 1 || MK_VERSION == 2, "MK_VERSION must be 1 or 2");
 static_assert(ATT_MAXCL % 32 == 0, "ATT_MAXCL must be a multiple of 32");
+static_assert(MK_MERGE_MAX >= 1, "MK_MERGE_MAX: at least 1");
 
 // One layer's pointers in the table the host passes (NL x LW_COUNT, as 64-bit integers).
 enum { LW_LN1W, LW_LN1B, LW_ATTNW, LW_ATTNB, LW_PROJW, LW_PROJB, LW_LN2W, LW_LN2B, LW_FCW, LW_FCB,
@@ -450,11 +455,52 @@ __device__ void copy_rows(const float* src, float* xs, int n4) {
 // Scores: a lane per position (a whole key row per lane, q broadcast from shared memory); softmax over the
 // chunk; output: lanes split the head dimension and walk the positions. The partial (max, sum, o[HD]) goes
 // to global memory; the warp whose arrival completes (b, h) merges the chunks into att.
+// Units are dealt round-robin over the blocks: warp j of block k takes units k + j*grid, k + (j + NWARPS)*grid,
+// ... so a few dozen units land on as many SMs, one each, instead of filling the warps of two or three blocks
+// whose load paths would then carry every cache row (and whose own next tiles would start last).
+__device__ __forceinline__ int att_unit(int j) { return blockIdx.x + j * gridDim.x; }
+
 __device__ __forceinline__ int att_chunk_len(const int* slens, int nch) {
     int mx = 1;
 #pragma unroll
     for (int b = 0; b < NB; ++b) mx = max(mx, slens[b]);
     return ((mx + nch - 1) / nch + 31) / 32 * 32;
+}
+
+// Few chunks (NB x nch <= MK_MERGE_MAX): every unit just publishes its partial, and each block of the
+// projection merges the partials as it reads att, two round trips (the merging warp's loads, its att writes)
+// fewer on the way to the projection. With more chunks every block would read all of them: the last unit of a
+// (sequence, head) merges instead.
+__device__ __forceinline__ bool proj_merges(int nch) { return NB * nch <= MK_MERGE_MAX; }
+
+// xs (NB x C) = att merged from the partials (max, sum, o) of each (sequence, head)'s nch chunks.
+__device__ void merge_rows(const float* partial, float* xs, int nch) {
+    for (int i = threadIdx.x; i < NB * C; i += MK_THREADS) {
+        const int b = i / C, c = i - b * C, h = c / HD, d = c - h * HD;
+        const float* P0 = partial + (long long)(b * NH + h) * nch * (HD + 2);
+        float mc[MK_MERGE_MAX], lc[MK_MERGE_MAX], oc[MK_MERGE_MAX];
+        float M = __int_as_float(0xff800000);
+#pragma unroll
+        for (int k = 0; k < MK_MERGE_MAX; ++k) {                // every load in flight at once
+            if (k < nch) {
+                mc[k] = __ldcg(P0 + k * (HD + 2));
+                lc[k] = __ldcg(P0 + k * (HD + 2) + 1);
+                oc[k] = __ldcg(P0 + k * (HD + 2) + 2 + d);
+                M = fmaxf(M, mc[k]);
+            }
+        }
+        float Ls = 0.0f, acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MK_MERGE_MAX; ++k) {
+            if (k < nch) {
+                const float wgt = mc[k] == __int_as_float(0xff800000) ? 0.0f : expf(mc[k] - M);
+                Ls += wgt * lc[k];
+                acc += wgt * oc[k];
+            }
+        }
+        xs[i] = acc / Ls;
+    }
+    __syncthreads();
 }
 
 __device__ void attention_unit(int u, int nch, int CL, const float* q, const float* kc, const float* vc,
@@ -536,6 +582,12 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
 #pragma unroll
     for (int j = 0; j < OPL; ++j) P[2 + lane + 32 * j] = o[j];
     __syncwarp();
+    if (proj_merges(nch)) {                                     // the projection merges the chunks as it reads them
+#if MK_VERSION == 2
+        if (lane == 0 && (int)blockIdx.x != ctl.stall_block) { __threadfence(); atomicAdd(ctl.sync + S_ATT_DONE, 1u); }
+#endif
+        return;
+    }
     unsigned last = 0;
     if (lane == 0) {
         __threadfence();
@@ -579,9 +631,11 @@ __device__ __noinline__ void prefetch_attention(const float* kc, const float* vc
     for (int b = 0; b < NB; ++b) mx = max(mx, slens[b]);
     if ((long long)NB * NH * mx * HD * 8 > MK_ATT_PF_MAX) return;   // more than L2 should hold: stream it instead
     constexpr int LPR = HD * 4 / 128 > 0 ? HD * 4 / 128 : 1;
-    for (int u = blockIdx.x * NWARPS; u < total; u += gridDim.x * NWARPS) {
-        for (int j = 0; j < NWARPS && u + j < total; ++j) {
-            const int uu = u + j, h = uu / (NB * nch), b = (uu / nch) % NB, c = uu % nch;
+    for (int u = 0; u < total; u += gridDim.x * NWARPS) {
+        for (int j = 0; j < NWARPS; ++j) {
+            const int uu = u + att_unit(j);
+            if (uu >= total) break;
+            const int h = uu / (NB * nch), b = (uu / nch) % NB, c = uu % nch;
             const int t0 = c * CL, t1 = min(slens[b] - 1, t0 + CL);       // the newest row is written this step
             const long long off = ((long long)b * NH + h) * L * HD;
             for (int i = threadIdx.x; i < (t1 - t0) * LPR * 2; i += MK_THREADS) {
@@ -696,11 +750,10 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_ATT, layer, step})) return;
             stamp(ctl, sidx, 1);
 #else
-            prefetch_tile<C, 4 * C, EPI_GELU>(Wfc);        // two stages ahead: attention reads no weights
             prefetch_attention(kc, vc, nch, CL, slens, L);
             bool stamped = false;
 #endif
-            for (int u = blockIdx.x * NWARPS + warp; u < NB * NH * nch; u += G * NWARPS) {
+            for (int u = att_unit(warp); u < NB * NH * nch; u += G * NWARPS) {
 #if MK_VERSION == 2
                 const int hh = u / (NB * nch);
                 int ok = 1;
@@ -714,6 +767,9 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             }
             __syncthreads();
             if (s_abort) return;
+#if MK_VERSION == 2
+            prefetch_tile<C, 4 * C, EPI_GELU>(Wfc);        // two stages ahead, once this block's units are done
+#endif
             stamp(ctl, sidx, 2);
 
             // ================= PROJ: x += att W^T + b
@@ -723,10 +779,12 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_PROJ, layer, step})) return;
 #else
             prefetch_tile<4 * C, C, EPI_RESID>(Wmproj);
-            if (!block_wait(sync + S_ATT_DONE, (gl + 1) * NB * NH, ctl, Where{ST_PROJ, layer, step})) return;
+            if (!block_wait(sync + S_ATT_DONE, (gl + 1) * NB * NH * (proj_merges(nch) ? nch : 1), ctl,
+                            Where{ST_PROJ, layer, step})) return;
 #endif
             stamp(ctl, sidx, 1);
-            copy_rows(wk.att, xs, NB * C / 4);
+            if (proj_merges(nch)) merge_rows(wk.partial, xs, nch);
+            else copy_rows(wk.att, xs, NB * C / 4);
             {
                 const Epi e{(const float*)P[LW_PROJB], wk.x, nullptr, nullptr, spos, L, nullptr};
                 gemv_tile<C, C, EPI_RESID>(w, false, Wproj, xs, part, e);   // its rows are in L2 by now (v2)

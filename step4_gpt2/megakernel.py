@@ -43,6 +43,7 @@ ROWS = 2                 # output rows per warp item
 UNROLL = 3               # float4 columns per lane per row in one item: 96 float4 = 384 floats per segment
 PF_WAVES = 2             # v2: waves of weight rows asked from L2 ahead of use
 ATT_MAXCL = 256          # most cache positions one attention unit (one warp) handles
+MERGE_MAX = 4            # batch x chunks up to which the attention projection merges the chunks itself
 SYNC_FIXED = 8           # fixed counters before the per-head ones (megakernel.cu: S_HEAD0)
 LW_COUNT = 14            # pointers per layer in the table (megakernel.cu: LW_COUNT)
 STAGES = ("QKV", "attention", "attn proj", "fc", "mlp proj", "LM head")
@@ -74,7 +75,7 @@ def defines(config, batch: int, version: int = 2, timeline: bool = False, thread
     """The compile-time constants of megakernel.cu for a model config and batch."""
     return {"NB": int(batch), "C": config.n_embd, "NH": config.n_head, "NL": config.n_layer,
             "VOCAB": config.vocab_size, "MK_THREADS": threads, "MK_ROWS": ROWS, "MK_UNROLL": unroll,
-            "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL,
+            "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL, "MK_MERGE_MAX": MERGE_MAX,
             "MK_EPS": f"{float(config.eps)!r}f", "MK_TIMELINE": int(bool(timeline)),
             "MK_LW_COUNT": LW_COUNT, "MK_SYNC_FIXED": SYNC_FIXED}     # checked against the .cu's own (static_assert)
 

@@ -4,8 +4,8 @@ CPU (CI): the kernel compiles for every arch and the shapes the decoder builds, 
 argument checks that need no GPU. GPU: logits of decode steps vs the float64 reference (124M shape and a
 4-layer C=256 model, batch 1/2/8, both versions); 200 greedy tokens identical to the course's graph decode
 and to transformers; several steps per launch; sampling; the fallback when the kernel cannot be resident;
-a forced timeout raising an exception (not hanging); the in-kernel timeline. `sanitize`: tiny cases for
-compute-sanitizer (tests/sanitize.py)."""
+a forced timeout raising an exception (not hanging); the in-kernel timeline; attention chunks merged by the
+projection or by the last unit of a head. `sanitize`: tiny cases for compute-sanitizer (tests/sanitize.py)."""
 import numpy as np
 import pytest
 
@@ -111,10 +111,28 @@ def _ref_last_logits(cfg, params, seq):
 def test_step_logits_match_float64_reference(cp, cfg, batch, version):
     """Three decode steps (teacher-forced tokens) after prompts of different lengths: every row's logits
     within 1e-4 (max abs error / max |logit|) of the float64 NumPy GPT-2."""
+    _check_steps(cp, cfg, version, _prompts(cfg, batch), max(LENS[:batch]) + 4)
+
+
+@gpu
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("batch,prompt,length,proj_merges", [(1, 70, 100, True), (2, 40, 64, True),
+                                                             (1, 150, 160, False), (2, 90, 100, False)])
+@pytest.mark.parametrize("cfg", [G124, SMALL4], ids=["124M", "4L-4H-256"])
+def test_attention_chunks_merge_either_way(cp, cfg, batch, prompt, length, proj_merges, version):
+    """Caches long enough to split attention into chunks: merged by the attention projection's blocks (few
+    chunks, one of them empty here) or by the last unit of each (sequence, head); logits as above."""
+    rng = np.random.default_rng(prompt)
+    prompts = [rng.integers(0, cfg.vocab_size, prompt - 7 * b).tolist() for b in range(batch)]
+    dec = _check_steps(cp, cfg, version, prompts, length)
+    assert dec.nch > 1 and (batch * dec.nch <= M.MERGE_MAX) == proj_merges, dec.nch
+
+
+def _check_steps(cp, cfg, version, prompts, length):
     from common import poison
     model, params, _ = _model(cfg)
-    prompts = _prompts(cfg, batch)
-    dec = M.MegakernelDecoder(model, batch, max(LENS[:batch]) + 4, version=version)
+    batch = len(prompts)
+    dec = M.MegakernelDecoder(model, batch, length, version=version)
     dec.prefill(pad_prompts(prompts), [len(p) for p in prompts])
     rng = np.random.default_rng(batch)
     seqs = [list(p) for p in prompts]
@@ -133,6 +151,7 @@ def test_step_logits_match_float64_reference(cp, cfg, batch, version):
             assert max_rel(got[b], want) <= 1e-4, (step, b, max_rel(got[b], want))
             assert dec.state.tokens[b].get() == np.argmax(got[b]), "the kernel's argmax"
         assert (dec.state.pos.get() == np.array([len(s) for s in seqs])).all()
+    return dec
 
 
 _hf_cache, _hf_models = {}, {}
