@@ -74,3 +74,6 @@ def test_every_relative_link_of_the_rendered_pages_resolves():
     broken = [f"{p.relative_to(render.ROOT)}: {m.group(2)}" for p in pages for m in render.LINK.finditer(p.read_text())
               if "://" not in m.group(2) and not (p.parent / m.group(2)).exists()]
     assert not broken, broken
+    local = [f"{p.relative_to(render.ROOT)}: {m.group(2)}" for p in pages for m in render.LINK.finditer(p.read_text())
+             if m.group(2).startswith("file:")]
+    assert not local, f"pages rendered outside the repository (--out) link the machine they ran on: {local[:3]}"
