@@ -282,7 +282,7 @@ struct Epi {
     const int* spos;     // shared: each row's position
     int L;
     unsigned long long* best;   // LOGITS: shared, packed (value, index) per row
-    const float* res;           // RESID: shared, x ((NB + 1) x N: the rows, then the bias; this block's columns)
+    const float* res;           // RESID: shared, (NB + 1) x N: x of each batch row, then the bias (this block's n)
 };
 
 __device__ __forceinline__ unsigned long long pack_best(float v, int n) {
@@ -393,7 +393,8 @@ __device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __rest
 // embeddings in that layer's QKV stage, so it is read after the wait there).
 __device__ void load_ln(float* sln, const float* __restrict__ g, const float* __restrict__ bt) {
     for (int i = threadIdx.x; i < C / 4; i += MK_THREADS) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(g) + i), c = __ldg(reinterpret_cast<const float4*>(bt) + i);
+        const float4 a = __ldg(reinterpret_cast<const float4*>(g) + i);
+        const float4 c = __ldg(reinterpret_cast<const float4*>(bt) + i);
         reinterpret_cast<float4*>(sln)[i] = a;
         reinterpret_cast<float4*>(sln + C)[i] = c;
     }
@@ -409,10 +410,11 @@ __device__ void load_residual(float* sres, const float* x, const float* __restri
     }
 }
 
-// xs (NB x C) = LayerNorm(x) rows, a warp per row (the row stays in registers: one round trip). With
-// `embed`, x is first made from the token and position embeddings, and block 0 stores it as the residual.
-__device__ void ln_rows(const float* x, const float* sln, float* xs, bool embed, const float* __restrict__ wte, const float* __restrict__ wpe,
-                        const int* stok, const int* spos, float* xout) {
+// xs (NB x C) = LayerNorm(x) rows, a warp per row (the row stays in registers: one round trip; gamma and beta
+// are in sln already). With `embed`, x is first made from the token and position embeddings, and block 0
+// stores it as the residual.
+__device__ void ln_rows(const float* x, const float* sln, float* xs, bool embed, const float* __restrict__ wte,
+                        const float* __restrict__ wpe, const int* stok, const int* spos, float* xout) {
     constexpr int C4 = C / 4, PER = (C4 + 31) / 32;            // float4 per lane: all loads issued at once
     const int lane = threadIdx.x % 32, b = threadIdx.x / 32;
     if (b < NB) {
@@ -746,8 +748,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 slens[threadIdx.x] = __ldcg(lens + threadIdx.x);
             }
             __syncthreads();
-            ln_rows(wk.x, sln, xs, layer == 0, wte, wpe, stok, spos,
-                    wk.x);
+            ln_rows(wk.x, sln, xs, layer == 0, wte, wpe, stok, spos, wk.x);
             {
                 const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr, nullptr};
                 gemv_tile<C, 3 * C, EPI_QKV>(w, MK_VERSION == 2, Wattn, xs, part, e);
@@ -839,8 +840,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             if (!block_wait(sync + S_X_DONE, (gl + 1) * G, ctl, Where{ST_FC, layer, step})) return;
 #endif
             stamp(ctl, sidx, 1);
-            ln_rows(wk.x, sln, xs, false, wte, wpe, stok, spos,
-                    wk.x);
+            ln_rows(wk.x, sln, xs, false, wte, wpe, stok, spos, wk.x);
             {
                 const Epi e{(const float*)P[LW_FCB], wk.h, nullptr, nullptr, spos, L, nullptr, nullptr};
                 gemv_tile<C, 4 * C, EPI_GELU>(w, MK_VERSION == 2, Wfc, xs, part, e);
