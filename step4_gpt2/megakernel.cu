@@ -27,10 +27,8 @@
 //   v2  no barriers. Each stage announces its progress on counters in global memory (release: fence +
 //       atomicAdd; acquire: ld.acquire + fence), and a consumer waits only for what it reads: attention on
 //       head h waits for head h's q/k/v rows only. Before waiting, a block issues the register loads of its
-//       first weight tile, copies the stage's small operands (LayerNorm gamma/beta, its residual rows and
-//       bias) to shared memory, and asks L2 to prefetch the next stage's weights (prefetch.global.L2), so the
-//       DRAM keeps streaming weights while blocks wait, normalise or do attention, and no load that the wait
-//       does not gate is left after it.
+//       first weight tile and asks L2 to prefetch the next stage's weights (prefetch.global.L2), so the DRAM
+//       keeps streaming weights while blocks wait, normalise or do attention.
 //
 // Both versions can run several greedy decode steps in one launch (nsteps): the chosen token feeds the next
 // step on the device. Nothing here can hang: every wait is bounded by %globaltimer (timeout_ns); on a
@@ -282,7 +280,6 @@ struct Epi {
     const int* spos;     // shared: each row's position
     int L;
     unsigned long long* best;   // LOGITS: shared, packed (value, index) per row
-    const float* res;           // RESID: shared, (NB + 1) x N: x of each batch row, then the bias (this block's n)
 };
 
 __device__ __forceinline__ unsigned long long pack_best(float v, int n) {
@@ -300,7 +297,8 @@ __device__ __forceinline__ void epilogue(int v, int b, float s, const Epi& e) {
         if (part == 0) e.out[b * C + c] = s;
         else (part == 1 ? e.kc : e.vc)[(((long long)b * NH + h) * e.L + e.spos[b]) * HD + d] = s;
     } else if (EPI == EPI_RESID) {
-        e.out[(long long)b * N + n] = e.res[b * N + n] + s + e.res[NB * N + n];
+        float* p = e.out + (long long)b * N + n;
+        *p = __ldcg(p) + s + e.bias[n];
     } else if (EPI == EPI_GELU) {
         e.out[(long long)b * N + n] = gelu_tanh(s + e.bias[n]);
     } else {
@@ -386,42 +384,18 @@ __device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __rest
 }
 
 // ------------------------------------------------------------------------------------------ prologues
-// Before its wait a stage copies to shared memory what it reads besides weights and its input rows, so no
-// dependent load of them is left after the wait: a LayerNorm's gamma and beta (sln, 2 x C), and for a residual
-// stage this block's columns of x and of the bias (sres). x is final by then: the stage that last wrote it
-// finished before the one just done began (layer 0's attention projection excepted: x is made from the
-// embeddings in that layer's QKV stage, so it is read after the wait there).
-__device__ void load_ln(float* sln, const float* __restrict__ g, const float* __restrict__ bt) {
-    for (int i = threadIdx.x; i < C / 4; i += MK_THREADS) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(g) + i);
-        const float4 c = __ldg(reinterpret_cast<const float4*>(bt) + i);
-        reinterpret_cast<float4*>(sln)[i] = a;
-        reinterpret_cast<float4*>(sln + C)[i] = c;
-    }
-}
-
-__device__ void load_residual(float* sres, const float* x, const float* __restrict__ bias) {
-    int rg0, rg1;
-    tile_range<C>(rg0, rg1);
-    const int n0 = rg0 * R, w = min(rg1 * R, C) - n0;
-    for (int i = threadIdx.x; i < (NB + 1) * w; i += MK_THREADS) {
-        const int b = i / w, n = n0 + i % w;
-        sres[b * C + n] = b < NB ? __ldcg(x + b * C + n) : __ldg(bias + n);
-    }
-}
-
-// xs (NB x C) = LayerNorm(x) rows, a warp per row (the row stays in registers: one round trip; gamma and beta
-// are in sln already). With `embed`, x is first made from the token and position embeddings, and block 0
-// stores it as the residual.
-__device__ void ln_rows(const float* x, const float* sln, float* xs, bool embed, const float* __restrict__ wte,
-                        const float* __restrict__ wpe, const int* stok, const int* spos, float* xout) {
+// xs (NB x C) = LayerNorm(x) rows, a warp per row (the row stays in registers: one round trip). With
+// `embed`, x is first made from the token and position embeddings, and block 0 stores it as the residual.
+__device__ void ln_rows(const float* x, const float* __restrict__ g, const float* __restrict__ bt, float* xs,
+                        bool embed, const float* __restrict__ wte, const float* __restrict__ wpe,
+                        const int* stok, const int* spos, float* xout) {
     constexpr int C4 = C / 4, PER = (C4 + 31) / 32;            // float4 per lane: all loads issued at once
     const int lane = threadIdx.x % 32, b = threadIdx.x / 32;
     if (b < NB) {
         float4* sr = reinterpret_cast<float4*>(xs) + b * C4;
         const float4* x4 = reinterpret_cast<const float4*>(x) + b * C4;
-        const float4* g4 = reinterpret_cast<const float4*>(sln);        // gamma, beta: loaded before the wait
-        const float4* b4 = reinterpret_cast<const float4*>(sln + C);
+        const float4* g4 = reinterpret_cast<const float4*>(g);
+        const float4* b4 = reinterpret_cast<const float4*>(bt);
         float4 v[PER];
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
@@ -459,7 +433,7 @@ __device__ void ln_rows(const float* x, const float* sln, float* xs, bool embed,
         for (int i = 0; i < PER; ++i) {
             const int k = lane + 32 * i;
             if (k < C4) {
-                const float4 gg = g4[k], bb = b4[k];
+                const float4 gg = __ldg(g4 + k), bb = __ldg(b4 + k);
                 sr[k] = make_float4((v[i].x - mean) * rstd * gg.x + bb.x, (v[i].y - mean) * rstd * gg.y + bb.y,
                                     (v[i].z - mean) * rstd * gg.z + bb.z, (v[i].w - mean) * rstd * gg.w + bb.w);
             }
@@ -689,8 +663,6 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
     float* part = xs + NB * 4 * C;                                          // 2 x NWARPS x R x NB
     float* sq = part + 2 * NWARPS * R * NB;                                 // NWARPS x HD
     float* sp = sq + NWARPS * HD;                                           // NWARPS x ATT_MAXCL
-    float* sres = sp + NWARPS * ATT_MAXCL;                                  // (NB + 1) x C
-    float* sln = sres + (NB + 1) * C;                                       // 2 x C
     __shared__ int stok[NB], spos[NB], slens[NB];
     __shared__ unsigned long long sbest[NB];
     __shared__ int s_abort;
@@ -731,7 +703,6 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
 
             // ================= QKV: x -> LayerNorm -> q, k/v appended
             stamp(ctl, sidx, 0);
-            load_ln(sln, (const float*)P[LW_LN1W], (const float*)P[LW_LN1B]);
 #if MK_VERSION == 1
             if (step > 0 || layer > 0) {
                 if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_QKV, layer, step})) return;
@@ -748,9 +719,10 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 slens[threadIdx.x] = __ldcg(lens + threadIdx.x);
             }
             __syncthreads();
-            ln_rows(wk.x, sln, xs, layer == 0, wte, wpe, stok, spos, wk.x);
+            ln_rows(wk.x, (const float*)P[LW_LN1W], (const float*)P[LW_LN1B], xs, layer == 0, wte, wpe, stok, spos,
+                    wk.x);
             {
-                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr, nullptr};
+                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr};
                 gemv_tile<C, 3 * C, EPI_QKV>(w, MK_VERSION == 2, Wattn, xs, part, e);
             }
 #if MK_VERSION == 2
@@ -803,7 +775,6 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             // ================= PROJ: x += att W^T + b
             ++sidx;
             stamp(ctl, sidx, 0);
-            if (layer > 0) load_residual(sres, wk.x, (const float*)P[LW_PROJB]);
 #if MK_VERSION == 1
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_PROJ, layer, step})) return;
 #else
@@ -812,11 +783,10 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                             Where{ST_PROJ, layer, step})) return;
 #endif
             stamp(ctl, sidx, 1);
-            if (layer == 0) load_residual(sres, wk.x, (const float*)P[LW_PROJB]);   // made in this layer's QKV
             if (proj_merges(nch)) merge_rows(wk.partial, xs, nch);
             else copy_rows(wk.att, xs, NB * C / 4);
             {
-                const Epi e{nullptr, wk.x, nullptr, nullptr, spos, L, nullptr, sres};
+                const Epi e{(const float*)P[LW_PROJB], wk.x, nullptr, nullptr, spos, L, nullptr};
                 gemv_tile<C, C, EPI_RESID>(w, false, Wproj, xs, part, e);   // its rows are in L2 by now (v2)
             }
 #if MK_VERSION == 2
@@ -827,7 +797,6 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             // ================= FC: h = gelu(LayerNorm(x) W^T + b)
             ++sidx;
             stamp(ctl, sidx, 0);
-            load_ln(sln, (const float*)P[LW_LN2W], (const float*)P[LW_LN2B]);
 #if MK_VERSION == 1
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_FC, layer, step})) return;
 #else
@@ -840,9 +809,10 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             if (!block_wait(sync + S_X_DONE, (gl + 1) * G, ctl, Where{ST_FC, layer, step})) return;
 #endif
             stamp(ctl, sidx, 1);
-            ln_rows(wk.x, sln, xs, false, wte, wpe, stok, spos, wk.x);
+            ln_rows(wk.x, (const float*)P[LW_LN2W], (const float*)P[LW_LN2B], xs, false, wte, wpe, stok, spos,
+                    wk.x);
             {
-                const Epi e{(const float*)P[LW_FCB], wk.h, nullptr, nullptr, spos, L, nullptr, nullptr};
+                const Epi e{(const float*)P[LW_FCB], wk.h, nullptr, nullptr, spos, L, nullptr};
                 gemv_tile<C, 4 * C, EPI_GELU>(w, MK_VERSION == 2, Wfc, xs, part, e);
             }
 #if MK_VERSION == 2
@@ -853,7 +823,6 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             // ================= MPROJ: x += h W^T + b
             ++sidx;
             stamp(ctl, sidx, 0);
-            load_residual(sres, wk.x, (const float*)P[LW_MPROJB]);
 #if MK_VERSION == 1
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_MPROJ, layer, step})) return;
 #else
@@ -863,7 +832,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             stamp(ctl, sidx, 1);
             copy_rows(wk.h, xs, NB * C);
             {
-                const Epi e{nullptr, wk.x, nullptr, nullptr, spos, L, nullptr, sres};
+                const Epi e{(const float*)P[LW_MPROJB], wk.x, nullptr, nullptr, spos, L, nullptr};
                 gemv_tile<4 * C, C, EPI_RESID>(w, MK_VERSION == 2, Wmproj, xs, part, e);
             }
 #if MK_VERSION == 2
@@ -875,7 +844,6 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         // ================= LM head: logits = LayerNorm_f(x) wte^T, greedy choice
         const int sidx = step * STAGES_PER_STEP + 5 * NL;
         stamp(ctl, sidx, 0);
-        load_ln(sln, lnf_w, lnf_b);
         if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;
 #if MK_VERSION == 1
         if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_LM, NL, step})) return;
@@ -884,9 +852,9 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         if (!block_wait(sync + S_X2_DONE, (gs * NL + NL) * G, ctl, Where{ST_LM, NL, step})) return;
 #endif
         stamp(ctl, sidx, 1);
-        ln_rows(wk.x, sln, xs, false, wte, wpe, stok, spos, wk.x);
+        ln_rows(wk.x, lnf_w, lnf_b, xs, false, wte, wpe, stok, spos, wk.x);
         {
-            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr};
+            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest};
             gemv_tile<C, VOCAB, EPI_LOGITS>(w, MK_VERSION == 2, wte, xs, part, e);
         }
         if (threadIdx.x < NB && sbest[threadIdx.x]) atomicMax(amax + threadIdx.x, sbest[threadIdx.x]);

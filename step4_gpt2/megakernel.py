@@ -85,12 +85,10 @@ CU_DEFINES = {SOURCE: defines(GPTConfig(), 1)}
 
 
 def smem_bytes(config, batch: int, threads: int = THREADS) -> int:
-    """Dynamic shared memory per block: the stage input (batch x 4C), the cross-warp partial sums, each warp's
-    q row and attention probabilities, a residual stage's x and bias ((batch + 1) x C) and a LayerNorm's gamma
-    and beta (2 x C)."""
-    warps, C = threads // 32, config.n_embd
-    return 4 * (batch * 4 * C + 2 * warps * ROWS * batch + warps * config.head_dim + warps * ATT_MAXCL
-                + (batch + 1) * C + 2 * C)
+    """Dynamic shared memory per block: the stage input (batch x 4C), the cross-warp partial sums, and each
+    warp's q row and attention probabilities."""
+    warps = threads // 32
+    return 4 * (batch * 4 * config.n_embd + 2 * warps * ROWS * batch + warps * config.head_dim + warps * ATT_MAXCL)
 
 
 def _fit(config, batch: int, version: int = 2, timeline: bool = False, threads: int = THREADS,
