@@ -26,6 +26,13 @@ def errors(out, ref) -> tuple[float, float]:
     return rel, float(np.abs(d).max(initial=0.0))
 
 
+def max_rel_error(out, ref) -> float:
+    """max |out - ref| / max |ref|: the error relative to the tensor's scale, fair to values near 0 (logits,
+    gradients). inf for NaN/Inf where ref is finite; a shape mismatch is an error (errors())."""
+    _, max_abs = errors(out, ref)
+    return max_abs / max(float(np.abs(np.asarray(ref, dtype=np.float64)).max(initial=0.0)), 1e-30)
+
+
 def assert_close(out, ref, rtol: float = 1e-6, atol: float | None = None, name: str = "output") -> tuple:
     """Fail unless out matches the float64 reference: relative-norm error <= rtol and (if given)
     max abs error <= atol. NaN where the reference is finite (an unwritten, poisoned element) fails.
@@ -58,6 +65,12 @@ def poison(a):
     kind = np.dtype(a.dtype).kind
     a.fill(np.nan if kind == "f" else np.iinfo(a.dtype).max if kind == "u" else -1)
     return a
+
+
+def is_poisoned(a) -> np.ndarray:
+    """Where a NumPy array still holds poison's fill (NaN for floats)."""
+    kind = np.dtype(a.dtype).kind
+    return np.isnan(a) if kind == "f" else a == (np.iinfo(a.dtype).max if kind == "u" else -1)
 
 
 def rand(*shape, dtype=np.float32, seed: int | None = None, low: float = -1.0, high: float = 1.0, rng=None):

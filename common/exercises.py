@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from common.check import poison
+from common.check import is_poisoned, poison
 from common.kernels import ROOT
 
 STEP_PACKAGES = ("step1_simple", "step2_attention", "step3_fused", "step4_gpt2")
@@ -236,9 +236,7 @@ def _to_device(host: dict, offset: int = 0):
 def _guard_damage(buf, span) -> str | None:
     """Where a kernel wrote outside its array, if it did."""
     h = buf.get()
-    fill = poison(np.empty(1, h.dtype))
-    fill_ok = (lambda a: np.isnan(a)) if h.dtype.kind == "f" else (lambda a: a == fill)
-    before, after = ~fill_ok(h[:span[0]]), ~fill_ok(h[span[1]:])
+    before, after = ~is_poisoned(h[:span[0]]), ~is_poisoned(h[span[1]:])
     if after.any():
         k = int(np.argmax(after))
         return f"wrote past the end of the array (at index n{f' + {k}' if k else ''}, n = {span[1] - span[0]})"

@@ -206,9 +206,8 @@ def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
     from common.device import device_info
     d = device_info()
     # The driver counts no block at all for more dynamic shared memory than the kernel has opted in to. The
-    # launch opts in (allow_dynamic_smem), so the question is about the kernel once it has; an opt-in is
-    # only ever raised here, never lowered below what a wrapper already set.
-    if dynamic_smem > kernel.max_dynamic_shared_size_bytes and dynamic_smem <= d["shared_per_block_optin"]:
+    # launch opts in (allow_dynamic_smem), so the question is about the kernel once it has.
+    if dynamic_smem <= d["shared_per_block_optin"]:
         allow_dynamic_smem(kernel, dynamic_smem, "dynamic_smem")
     blocks = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, block, dynamic_smem))
     # The driver gives the count alone; the calculator's count per resource says which one binds.
@@ -231,13 +230,14 @@ def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
 def allow_dynamic_smem(kernel, nbytes: int, what: str) -> None:
     """Let `kernel` launch with nbytes of dynamic shared memory: above 48 KB a kernel must opt in
     (`max_dynamic_shared_size_bytes`), and past the GPU's opt-in limit (64 KB on a T4, 99 KB on an RTX 30/40,
-    227 KB on an H100) this raises a ValueError that starts with `what` (the argument or choice responsible)."""
+    227 KB on an H100) this raises a ValueError that starts with `what` (the argument or choice responsible).
+    An opt-in is only ever raised, never lowered below what the kernel already has."""
     from common.device import device_info
     d = device_info()
     if nbytes > d["shared_per_block_optin"]:
         raise ValueError(f"{what} need {nbytes:,} B of shared memory per block; this GPU ({d['name']}) allows "
                          f"at most {d['shared_per_block_optin']:,} B")
-    if nbytes > 48 << 10:
+    if nbytes > max(48 << 10, kernel.max_dynamic_shared_size_bytes):
         kernel.max_dynamic_shared_size_bytes = nbytes
 
 

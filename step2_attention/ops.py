@@ -290,8 +290,12 @@ def _mma_require(bf16: bool) -> None:
 def mma_kernel(version: int, bf16: bool = False):
     """mma_tile.cu's mma_tile_v<version> for fp16 (or bf16) inputs: what `mma_tile` launches."""
     expect_choice(version, "version", MMA_VERSIONS)
-    return get_kernel(MMA_CU, f"mma_tile_v{version}<{'true' if bf16 else 'false'}>", MMA_DEFINES,
-                      templates=CU_TEMPLATES[MMA_CU])
+    return _mma(f"mma_tile_v{version}<{'true' if bf16 else 'false'}>")
+
+
+def _mma(name: str):
+    """A kernel of mma_tile.cu, its templates instantiated."""
+    return get_kernel(MMA_CU, name, MMA_DEFINES, templates=CU_TEMPLATES[MMA_CU])
 
 
 def mma_tile(a, b, version: int = 1, out=None):
@@ -340,6 +344,5 @@ def mma_fragments(a_frag, b_frag, out=None):
     b_frag = expect_array(b_frag, "b_frag", dtype=a_frag.dtype, shape=(32, 4))
     c = out_array(out, (32, 4))
     _mma_require(bf16)
-    get_kernel(MMA_CU, f"mma_fragments<{'true' if bf16 else 'false'}>", MMA_DEFINES,
-               templates=CU_TEMPLATES[MMA_CU])((1,), (32,), (a_frag, b_frag, c))
+    _mma(f"mma_fragments<{'true' if bf16 else 'false'}>")((1,), (32,), (a_frag, b_frag, c))
     return c

@@ -89,15 +89,17 @@ def torch_step(config=None, tc=None, compiled: bool = False, params=None):
     return model, step
 
 
-def train_throughput_rows(compile_torch: bool = True, steps: int = 20) -> list[Row]:
+def train_throughput_rows(compile_torch: bool = True, steps: int = 20, config=None) -> list[Row]:
+    """Our training step against PyTorch eager (and torch.compile) on the same batches: the shakespeare_char
+    model with a 65-character vocabulary, or `config` (the same size, another vocabulary: the notebook's)."""
     batches = random_batches(steps + 3)
     tokens = B * T
-    _, ours = ours_step()
+    _, ours = ours_step(config)
     t_ours = loop_wall_s(ours, batches)
     rows = [Row("train step, ours (tok/s)", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s")]
     anchors = [("torch eager", False)] + ([("torch.compile", True)] if compile_torch else [])
     for label, compiled in anchors:
-        _, step = torch_step(compiled=compiled)
+        _, step = torch_step(config, compiled=compiled)
         if step is None:
             print("torch with CUDA not installed: no torch rows")
             break

@@ -181,6 +181,8 @@ class Decoder:
         self.model, self.batch, self.length, self.greedy = model, int(batch), int(length), bool(greedy)
         self.pipeline_depth = int(pipeline_depth)
         self.state = DecodeState(model.config, batch, length)
+        # the state is filled on the current stream; this decoder's non-blocking stream does not wait for it
+        cp.cuda.get_current_stream().synchronize()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.info: dict = {}
         self._rows = None             # cache rows of the longest sequence after the last enqueued step

@@ -473,6 +473,12 @@ __device__ __forceinline__ int att_chunk_len(const int* slens, int nch) {
 // (sequence, head) merges instead.
 __device__ __forceinline__ bool proj_merges(int nch) { return NB * nch <= MK_MERGE_MAX; }
 
+// The weight of a chunk whose scores peak at m in a row whose overall peak is M: exp(m - M), and 0 for an
+// empty chunk (m = -inf), whose sum and output are 0 anyway.
+__device__ __forceinline__ float chunk_weight(float m, float M) {
+    return m == __int_as_float(0xff800000) ? 0.0f : expf(m - M);
+}
+
 // xs (NB x C) = att merged from the partials (max, sum, o) of each (sequence, head)'s nch chunks.
 __device__ void merge_rows(const float* partial, float* xs, int nch) {
     for (int i = threadIdx.x; i < NB * C; i += MK_THREADS) {
@@ -493,7 +499,7 @@ __device__ void merge_rows(const float* partial, float* xs, int nch) {
 #pragma unroll
         for (int k = 0; k < MK_MERGE_MAX; ++k) {
             if (k < nch) {
-                const float wgt = mc[k] == __int_as_float(0xff800000) ? 0.0f : expf(mc[k] - M);
+                const float wgt = chunk_weight(mc[k], M);
                 Ls += wgt * lc[k];
                 acc += wgt * oc[k];
             }
@@ -609,7 +615,7 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
     for (int cc = 0; cc < nch; ++cc) {
         const float* Pc = P0 + cc * (HD + 2);
         const float mc = __ldcg(Pc);
-        const float wgt = mc == __int_as_float(0xff800000) ? 0.0f : expf(mc - M);
+        const float wgt = chunk_weight(mc, M);
         Ls += wgt * __ldcg(Pc + 1);
 #pragma unroll
         for (int j = 0; j < OPL; ++j) acc[j] += wgt * __ldcg(Pc + 2 + lane + 32 * j);

@@ -95,9 +95,6 @@ class DecodeState:
         self.h = cp.empty((B, 4 * C), cp.float32)
         self.logits = cp.empty((B, config.vocab_size), cp.float32)
         self.batch = B
-        # tokens, pos and lens are filled on the current stream; the decoders step on their own non-blocking
-        # streams, which do not wait for it.
-        cp.cuda.get_current_stream().synchronize()
 
 
 class GPT:

@@ -425,7 +425,7 @@ def _read_checkpoint(directory, model_config: GPTConfig | None = None) -> tuple[
     from safetensors.numpy import load_file
     from step4_gpt2 import weights
     directory = Path(directory)
-    cfg = GPTConfig.from_file(directory / "config.json")
+    cfg = GPTConfig.from_file(directory / weights.CONFIG_FILE)
     if model_config is not None:
         diff = [f"{f.name}={getattr(cfg, f.name)} (this model: {getattr(model_config, f.name)})"
                 for f in fields(GPTConfig) if getattr(cfg, f.name) != getattr(model_config, f.name)]

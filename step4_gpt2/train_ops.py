@@ -219,7 +219,7 @@ def attention_forward(qkv, bias, n_head: int, out=None, lse=None):
     from step2_attention.flash import flash_attention_qkv
     qkv, B, T, C, D = _qkv_shape(qkv, n_head)
     lse = out_array(lse, (B, n_head, T), name="lse")
-    out = flash_attention_qkv(qkv, n_head, causal=True, bias=bias, out=out, scale=1.0 / math.sqrt(D), lse=lse)
+    out = flash_attention_qkv(qkv, n_head, causal=True, bias=bias, out=out, lse=lse)
     return out, lse
 
 

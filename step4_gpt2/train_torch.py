@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.check import max_rel_error  # noqa: F401  (the gradient checks' metric, re-exported)
 from common.reference.train_gpt2 import is_decayed
 
 
@@ -116,20 +117,14 @@ def step(model, opt, config, step_index: int, idx, targets):
     return loss.detach()
 
 
-def loss_and_grads(cfg, params, idx, targets, dtype=None) -> tuple[float, dict]:
-    """(loss, {HF name: NumPy gradient}) of one batch through the PyTorch model on the GPU, built in `dtype`
+def loss_and_grads(cfg, params, idx, targets, dtype=None, device="cuda") -> tuple[float, dict]:
+    """(loss, {HF name: NumPy gradient}) of one batch through the PyTorch model on `device`, built in `dtype`
     (default float32) from `params`: the autograd side of a gradient check."""
     torch = _torch()
-    model = build(cfg, dtype=dtype).load(params)
-    loss = model(torch.as_tensor(idx, device="cuda").long(), torch.as_tensor(targets, device="cuda").long())
+    model = build(cfg, device=device, dtype=dtype).load(params)
+    loss = model(torch.as_tensor(idx, device=device).long(), torch.as_tensor(targets, device=device).long())
     loss.backward()
     return loss.item(), model.grads()
-
-
-def max_rel_error(ours, ref) -> float:
-    """max |ours - ref| / max |ref| over a tensor: the error relative to the tensor's scale."""
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
 __all__ = ["build", "adamw", "step", "loss_and_grads", "max_rel_error"]

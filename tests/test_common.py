@@ -12,6 +12,23 @@ def test_assert_close_passes_on_rounding_and_reports_errors():
     assert 0 < rel < 1e-7 and 0 < mx < 1e-7
 
 
+def test_max_rel_error_is_relative_to_the_scale_and_refuses_bad_output():
+    from common import max_rel_error
+    ref = np.array([[4.0, -2.0], [0.0, 1.0]])
+    assert max_rel_error(ref + np.array([[0.0, 0.0], [0.02, 0.0]]), ref) == pytest.approx(0.005)
+    assert max_rel_error(np.array([[4.0, np.nan], [0.0, 1.0]]), ref) == float("inf")
+    with pytest.raises(ValueError, match="shape"):
+        max_rel_error(ref.ravel(), ref)
+
+
+def test_is_poisoned_finds_poisons_fill_in_every_dtype():
+    from common.check import is_poisoned
+    for dtype in (np.float32, np.int32, np.uint16):
+        a = poison(np.empty(5, dtype))
+        a[2] = 3
+        assert is_poisoned(a).tolist() == [True, True, False, True, True], dtype
+
+
 def test_assert_close_catches_a_wrong_element():
     ref = rand(1000, dtype=np.float64, seed=2)
     out = ref.copy(); out[123] += 0.5
@@ -211,6 +228,8 @@ def test_occupancy_is_the_drivers_count_and_names_a_limit(tmp_path):
     k = get_kernel(src, "dyn")
     occ = occupancy(k, 256)
     assert occ["blocks_per_sm"] == driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, 256, 0) >= 1
+    d = device_info()     # a few registers, no static shared memory: threads or the block limit bind
+    assert k.num_regs <= 32 and occ["blocks_per_sm"] == min(d["max_threads_per_sm"] // 256, d["max_blocks_per_sm"])
     assert occ["warps_per_sm"] == 8 * occ["blocks_per_sm"]
     assert occ["limited_by"] in ("registers", "threads", "shared memory", "blocks per SM")
     assert set(occ) == {"registers", "local_bytes", "blocks_per_sm", "warps_per_sm", "occupancy", "limited_by"}

@@ -9,7 +9,7 @@ projection or by the last unit of a head. `sanitize`: tiny cases for compute-san
 import numpy as np
 import pytest
 
-from step4_gpt2.train_torch import max_rel_error as max_rel
+from common import max_rel_error as max_rel
 from common.kernels import ARCHS, compile_offline, supported_archs
 from common.reference import gpt2 as ref
 from step4_gpt2 import megakernel as M
@@ -59,7 +59,6 @@ def test_ladder_prompts_leave_room_for_the_decoded_rows():
     assert BM.prompt_len(G124, 32) == 32
     assert BM.prompt_len(G124, 1000) == 991         # the decoder's cache: 991 + 32 + 1 = 1024 rows, block_size
     assert BM.STEPS == 32 and max(BM.CTXS) == 1000
-    assert all(BM.prompt_len(G124, c) + BM.STEPS + 1 <= G124.block_size for c in BM.CTXS)   # what decoder() allocates
 
 
 # ============================================================================ GPU

@@ -6,7 +6,7 @@ import numpy as np
 
 __all__ = [
     "f64", "ids", "axpb", "gelu", "gelu_grad", "relu", "relu_backward", "sigmoid", "ZOO",
-    "sum", "softmax", "matmul", "attention_scores", "attention_lse", "attention", "decode_attention",
+    "sum", "softmax", "matmul", "attention_scores", "logsumexp", "attention_lse", "attention", "decode_attention",
     "layernorm", "residual_layernorm", "cross_entropy",
 ]
 
@@ -111,11 +111,16 @@ def attention_scores(q, k, causal: bool = True, scale: float | None = None) -> n
     return s
 
 
-def attention_lse(q, k, causal: bool = True, scale: float | None = None) -> np.ndarray:
-    """Each query row's log-sum-exp of its scores (..., Tq): what a flash kernel keeps for the backward pass."""
-    s = attention_scores(q, k, causal, scale)
+def logsumexp(s) -> np.ndarray:
+    """log sum exp over the last axis, shifted by the row's max (rows of scores with -inf where masked)."""
+    s = f64(s)
     m = s.max(axis=-1, keepdims=True)
     return (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def attention_lse(q, k, causal: bool = True, scale: float | None = None) -> np.ndarray:
+    """Each query row's log-sum-exp of its scores (..., Tq): what a flash kernel keeps for the backward pass."""
+    return logsumexp(attention_scores(q, k, causal, scale))
 
 
 def attention(q, k, v, causal: bool = True, scale: float | None = None) -> np.ndarray:
@@ -152,7 +157,6 @@ def residual_layernorm(x, proj, proj_bias, weight, bias, eps: float = 1e-5):
 def cross_entropy(logits, targets) -> np.ndarray:
     """Per-row loss -log softmax(logits)[target]; logits (N, V), targets (N,) ints."""
     z = f64(logits)
-    z = z - z.max(axis=-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    logp = z - logsumexp(z)[..., None]
     t = ids(targets)
     return -logp[np.arange(len(t)), t]

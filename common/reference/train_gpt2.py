@@ -15,7 +15,7 @@ import numpy as np
 from common.reference import mlp
 from common.reference.fusion import merge_heads, split_heads
 from common.reference.mlp import adamw_init  # noqa: F401  (the same state layout as step 3b's AdamW)
-from common.reference.ops import attention_lse, attention_scores, cross_entropy, f64, gelu, gelu_grad, ids, softmax
+from common.reference.ops import attention_scores, cross_entropy, f64, gelu, gelu_grad, ids, logsumexp, softmax
 
 __all__ = ["encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
            "attention_forward", "attention_backward", "gelu_bias_forward", "gelu_bias_backward",
@@ -72,7 +72,7 @@ def attention_forward(qkv, bias, n_head: int):
     """Causal attention. qkv (B, T, 3C) without bias, bias (3C,) -> (out (B, T, C), lse (B, H, T)),
     lse[b, h, i] = log sum_j<=i exp(q_i . k_j / sqrt(D)): all the backward pass needs of the softmax."""
     q, k, v, s = _heads(qkv, bias, n_head)
-    lse = attention_lse(q, k, causal=True)
+    lse = logsumexp(s)
     return merge_heads(np.exp(s - lse[..., None]) @ v), lse
 
 
