@@ -12,16 +12,21 @@
 //                        per unit, units dealt round-robin over the blocks (one SM's loads per unit); the last
 //                        unit of a (sequence, head) to finish combines the chunks, or, with few chunks, PROJ
 //               PROJ     (merges the chunks) -> rows of attn c_proj, + bias + residual into x (in place)
-//               FC       LayerNorm(x) -> rows of c_fc -> GELU -> h
-//               MPROJ    rows of mlp c_proj, + bias + residual into x
+//               MLP      LayerNorm(x) -> rows of c_fc -> GELU -> h (the block's rows, in shared memory) ->
+//                        times the same rows of mlp c_proj^T -> added into acc with atomics (split-K): the
+//                        block needs no other block's h, so the MLP is one stage, not two. acc joins x (the
+//                        residual) in the next layer's projection; LayerNorms before that read x + acc.
 //   then        LM       LayerNorm_f(x) -> rows of the tied LM head -> logits, and the greedy choice:
 //                        each block's best (value, index) packed into 64 bits, combined with one atomicMax;
 //                        the last block to finish writes the token and advances the position.
 //
 // A GEMV stage splits its N output rows into contiguous ranges, one per block; inside a block a warp takes
 // ROWS rows x one segment of 32*UNROLL float4 columns and issues all its weight loads before using them.
+// The MLP's down projection is split the other way (over its inputs, K): a block multiplies the h rows it has
+// just made by the matching rows of mlp c_proj^T (the host passes it transposed) and adds C partial sums into
+// acc, so the order of those additions, and the last bits of x, vary from run to run.
 //
-//   v1  a grid-wide barrier before every stage (an atomic counter + a bounded spin), 5 per layer: simple,
+//   v1  a grid-wide barrier before every stage (an atomic counter + a bounded spin), 4 per layer: simple,
 //       but after each barrier every block starts its loads from scratch: the DRAM idles for the barrier
 //       and for one round trip per stage.
 //   v2  no barriers. Each stage announces its progress on counters in global memory (release: fence +
@@ -32,8 +37,9 @@
 //
 // Both versions can run several greedy decode steps in one launch (nsteps): the chosen token feeds the next
 // step on the device. Nothing here can hang: every wait is bounded by %globaltimer (timeout_ns); on a
-// timeout a block records (code, block, stage, layer, step) in err[] and every block leaves at its next
-// wait; the host turns err[] into an exception. All blocks must be resident at once (the host sizes the
+// timeout a block records (code 1, block, stage, layer, step) in err[] and every block leaves at its next
+// wait; the host turns err[] into an exception (code 2: launched with less dynamic shared memory than the
+// layout needs). All blocks must be resident at once (the host sizes the
 // grid with the occupancy API and refuses a launch that cannot fit). stall_block >= 0 makes that block never
 // signal (the test of the timeout path). With -DMK_TIMELINE=1 thread 0 of each block stamps %globaltimer at
 // the start of each stage, when its inputs are ready, and at its end (the measurement; the normal build
@@ -42,7 +48,8 @@
 // Compile-time constants (defaults: GPT-2 124M, batch 1): NB (batch rows), C, NH, NL, VOCAB, MK_THREADS,
 // MK_ROWS, MK_UNROLL, MK_VERSION (1|2), MK_PF_WAVES (waves of weight rows prefetched ahead, v2),
 // ATT_MAXCL (most positions per attention unit), MK_ATT_PF_MAX (bytes of KV cache v2 prefetches),
-// MK_MERGE_MAX (most NB x chunks the projection merges itself), MK_EPS (LayerNorm epsilon), MK_TIMELINE.
+// MK_MERGE_MAX (most NB x chunks the projection merges itself), MK_HCAP (most h rows a block keeps in shared
+// memory at once), MK_EPS (LayerNorm epsilon), MK_TIMELINE.
 #include "course.cuh"
 
 #ifndef NB
@@ -84,6 +91,9 @@
 #ifndef MK_MERGE_MAX
 #define MK_MERGE_MAX 4
 #endif
+#ifndef MK_HCAP
+#define MK_HCAP 48
+#endif
 #ifndef MK_EPS
 #define MK_EPS 1e-5f
 #endif
@@ -104,12 +114,13 @@ static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024 && NWARPS >= NB, "MK_TH
 static_assert(MK_VERSION == 1 || MK_VERSION == 2, "MK_VERSION must be 1 or 2");
 static_assert(ATT_MAXCL % 32 == 0, "ATT_MAXCL must be a multiple of 32");
 static_assert(MK_MERGE_MAX >= 1, "MK_MERGE_MAX: at least 1");
+static_assert(MK_HCAP % R == 0 && MK_HCAP >= R, "MK_HCAP: a multiple of MK_ROWS");
 
 // One layer's pointers in the table the host passes (NL x LW_COUNT, as 64-bit integers).
 enum { LW_LN1W, LW_LN1B, LW_ATTNW, LW_ATTNB, LW_PROJW, LW_PROJB, LW_LN2W, LW_LN2B, LW_FCW, LW_FCB,
-       LW_MPROJW, LW_MPROJB, LW_KCACHE, LW_VCACHE, LW_COUNT };
+       LW_MPROJWT, LW_MPROJB, LW_KCACHE, LW_VCACHE, LW_COUNT };
 // Counters in sync[] (uint32, zeroed once; they only grow, so targets come from the step number).
-enum { S_BAR, S_ATT_DONE, S_X_DONE, S_H_DONE, S_X2_DONE, S_LM_DONE, S_TOK_DONE, S_HEAD0 = 8 };
+enum { S_BAR, S_ATT_DONE, S_X_DONE, S_X2_DONE, S_LM_DONE, S_TOK_DONE, S_HEAD0 = 8 };
 #ifdef MK_LW_COUNT                  // the host's sizes of the pointer table and the fixed counters (megakernel.py)
 static_assert(LW_COUNT == MK_LW_COUNT, "megakernel.py's LW_COUNT differs from the LW_ enum");
 #endif
@@ -117,8 +128,9 @@ static_assert(LW_COUNT == MK_LW_COUNT, "megakernel.py's LW_COUNT differs from th
 static_assert(S_HEAD0 == MK_SYNC_FIXED, "megakernel.py's SYNC_FIXED differs from S_HEAD0");
 #endif
 #define S_ATTC0 (S_HEAD0 + NH)      // then NB*NH arrival counters, one per (sequence, head)
-enum { ST_QKV, ST_ATT, ST_PROJ, ST_FC, ST_MPROJ, ST_LM };
-#define STAGES_PER_STEP (5 * NL + 1)
+enum { ST_QKV, ST_ATT, ST_PROJ, ST_MLP, ST_LM };
+#define STAGES_PER_LAYER 4
+#define STAGES_PER_STEP (STAGES_PER_LAYER * NL + 1)
 enum { EPI_QKV, EPI_RESID, EPI_GELU, EPI_LOGITS };
 
 // ------------------------------------------------------------------------------------------ small helpers
@@ -274,12 +286,15 @@ __device__ __forceinline__ void gemv_preload(float4 (&w)[R][U], const float* W) 
 
 struct Epi {
     const float* bias;
-    float* out;          // q (QKV), x (RESID), h (GELU), logits (LOGITS)
+    float* out;          // q (QKV), x (RESID), h (GELU: shared, NB x MK_HCAP from row row0), logits (LOGITS)
     float* kc;           // QKV: this layer's caches (NB, NH, L, HD)
     float* vc;
     const int* spos;     // shared: each row's position
     int L;
     unsigned long long* best;   // LOGITS: shared, packed (value, index) per row
+    float* acc;          // RESID: the last MLP's sums, folded into x when `fold` (not at layer 0), then zeroed
+    int fold;
+    int row0;            // GELU: the first row held in `out`
 };
 
 __device__ __forceinline__ unsigned long long pack_best(float v, int n) {
@@ -298,25 +313,26 @@ __device__ __forceinline__ void epilogue(int v, int b, float s, const Epi& e) {
         else (part == 1 ? e.kc : e.vc)[(((long long)b * NH + h) * e.L + e.spos[b]) * HD + d] = s;
     } else if (EPI == EPI_RESID) {
         float* p = e.out + (long long)b * N + n;
-        *p = __ldcg(p) + s + e.bias[n];
+        float* a = e.acc + (long long)b * N + n;
+        *p = __ldcg(p) + s + e.bias[n] + (e.fold ? __ldcg(a) : 0.0f);
+        *a = 0.0f;                              // ready for this layer's MLP (which waits for this stage)
     } else if (EPI == EPI_GELU) {
-        e.out[(long long)b * N + n] = gelu_tanh(s + e.bias[n]);
+        e.out[b * MK_HCAP + n - e.row0] = gelu_tanh(s + e.bias[n]);
     } else {
         e.out[(long long)b * N + n] = s;
     }
 }
 
-// The block's whole tile of one GEMV stage: xs (shared, NB x K) times rows of W. w holds the first
-// wave's weights on entry when `preloaded`. Every wave: compute, issue the next wave's loads (and, v2, an L2
-// prefetch MK_PF_WAVES waves ahead), reduce across warps in shared memory, epilogue.
+// Row groups [rg0, rg1) of one GEMV stage (the block's tile, or a part of it): xs (shared, NB x K) times
+// rows of W. w holds the first wave's weights on entry when `preloaded`. Every wave: compute, issue the next
+// wave's loads (and, v2, an L2 prefetch MK_PF_WAVES waves ahead), reduce across warps in shared memory,
+// epilogue.
 template <int K, int N, int EPI>
 __device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __restrict__ W, const float* xs,
-                          float* part, const Epi& e) {
+                          float* part, const Epi& e, int rg0, int rg1) {
     using G = Geo<K>;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int slot = warp / G::WPRG, wi = warp % G::WPRG;
-    int rg0, rg1;
-    tile_range<N>(rg0, rg1);
     if (!preloaded) gemv_load<K, N, EPI>(w, W, rg0 + slot, wi, slot < G::RGPW && rg0 + slot < rg1);
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
     // the reduction: thread t sums (slot t / (R NB), row (t / NB) % R, batch row t % NB) over the WPRG warps
@@ -384,11 +400,20 @@ __device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __rest
 }
 
 // ------------------------------------------------------------------------------------------ prologues
-// xs (NB x C) = LayerNorm(x) rows, a warp per row (the row stays in registers: one round trip). With
-// `embed`, x is first made from the token and position embeddings, and block 0 stores it as the residual.
-__device__ void ln_rows(const float* x, const float* __restrict__ g, const float* __restrict__ bt, float* xs,
-                        bool embed, const float* __restrict__ wte, const float* __restrict__ wpe,
-                        const int* stok, const int* spos, float* xout) {
+// Inlined, ln_rows and mlp_down leave the kernel a few registers past its 168 on sm_70/75 (NVRTC 12.9), so
+// there they are calls. Elsewhere they stay inline: a call must wait for every load in flight, and the
+// LayerNorm runs while the first wave's weight loads are in flight (on the H100 a call costs about 10%).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define MK_OUTLINE __noinline__
+#else
+#define MK_OUTLINE
+#endif
+// xs (NB x C) = LayerNorm(x (+ add, when not null)) rows, a warp per row (the row stays in registers: one
+// round trip). With `embed`, x is first made from the token and position embeddings, and block 0 stores it
+// as the residual.
+__device__ MK_OUTLINE void ln_rows(const float* x, const float* add, const float* __restrict__ g,
+                        const float* __restrict__ bt, float* xs, bool embed, const float* __restrict__ wte,
+                        const float* __restrict__ wpe, const int* stok, const int* spos, float* xout) {
     constexpr int C4 = C / 4, PER = (C4 + 31) / 32;            // float4 per lane: all loads issued at once
     const int lane = threadIdx.x % 32, b = threadIdx.x / 32;
     if (b < NB) {
@@ -407,6 +432,10 @@ __device__ void ln_rows(const float* x, const float* __restrict__ g, const float
                     v[i] = make_float4(a.x + p.x, a.y + p.y, a.z + p.z, a.w + p.w);
                 } else {
                     v[i] = __ldcg(x4 + k);
+                    if (add) {
+                        const float4 a = __ldcg(reinterpret_cast<const float4*>(add) + b * C4 + k);
+                        v[i] = make_float4(v[i].x + a.x, v[i].y + a.y, v[i].z + a.z, v[i].w + a.w);
+                    }
                 }
             }
         }
@@ -447,6 +476,81 @@ __device__ void copy_rows(const float* src, float* xs, int n4) {
     const float4* s4 = reinterpret_cast<const float4*>(src);
     float4* d4 = reinterpret_cast<float4*>(xs);
     for (int i = threadIdx.x; i < n4; i += MK_THREADS) d4[i] = __ldcg(s4 + i);
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------------------------------ MLP down projection
+#define MLP_KG (C / 4 > MK_THREADS ? 1 : MK_THREADS / (C / 4))     // groups of threads that split its rows
+__device__ __forceinline__ void red_add4(float* p, float4 v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
+#else
+    atomicAdd(p, v.x); atomicAdd(p + 1, v.y); atomicAdd(p + 2, v.z); atomicAdd(p + 3, v.w);
+#endif
+}
+
+// s[b] += sum over rows r0 + g, r0 + g + KG, ... < r1 of h[b][r] Wt[r][float4 column c], DU rows' loads in
+// flight at once.
+template <int KG>
+__device__ __forceinline__ void mlp_column(float4 (&s)[NB], const float* hs, const float4* __restrict__ W4, int c,
+                                           int g, int r0, int r1) {
+    constexpr int C4 = C / 4, DU = NB > 4 ? 8 : 16;
+    for (int r = r0 + g; r < r1; r += KG * DU) {
+        float4 wv[DU];
+#pragma unroll
+        for (int i = 0; i < DU; ++i) {
+            const int rr = r + i * KG;
+            wv[i] = rr < r1 ? __ldcs(W4 + (long long)rr * C4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < DU; ++i) {
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const float hv = hs[b * MK_HCAP + min(r + i * KG, r1 - 1) - r0];     // wv is 0 past r1
+                s[b].x += hv * wv[i].x; s[b].y += hv * wv[i].y; s[b].z += hv * wv[i].z; s[b].w += hv * wv[i].w;
+            }
+        }
+    }
+}
+
+// acc (NB x C) += h rows [r0, r1) (shared: hs[b * MK_HCAP + r - r0]) times the same rows of Wt (4C x C, mlp
+// c_proj transposed): the block's share of the down projection, split over its inputs. KG groups of threads
+// take every KG-th row, a thread per float4 column (WIDE: a thread takes columns in turns); their sums meet in
+// shared memory (dn, KG x NB x C) and one atomic per float4 adds them to acc (red.global.add.v4.f32 on sm_90,
+// four scalar ones before). `bias`: added once (the caller passes it in one block only).
+__device__ MK_OUTLINE void mlp_down(const float* hs, const float* __restrict__ Wt, const float* __restrict__ bias,
+                                    int r0, int r1, float* dn, float* acc) {
+    constexpr int C4 = C / 4;
+    constexpr bool WIDE = C4 > MK_THREADS;
+    constexpr int KG = WIDE ? 1 : MK_THREADS / C4;
+    const float4* W4 = reinterpret_cast<const float4*>(Wt);
+    const float4* bias4 = reinterpret_cast<const float4*>(bias);
+    const int g = WIDE ? 0 : threadIdx.x / C4;
+    float4* dn4 = reinterpret_cast<float4*>(dn);
+    for (int c = WIDE ? threadIdx.x : threadIdx.x % C4; c < C4 && g < KG; c += WIDE ? MK_THREADS : C4) {
+        float4 s[NB];
+#pragma unroll
+        for (int b = 0; b < NB; ++b) s[b] = bias && g == 0 ? __ldg(bias4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        mlp_column<KG>(s, hs, W4, c, g, r0, r1);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) dn4[(g * NB + b) * C4 + c] = s[b];     // not held across the barrier below
+        if (WIDE) {
+#pragma unroll
+            for (int b = 0; b < NB; ++b) red_add4(acc + b * C + 4 * c, dn4[b * C4 + c]);
+        }
+    }
+    if (!WIDE) {                                                  // the KG groups' sums, one atomic per float4
+        __syncthreads();
+        for (int i = threadIdx.x; i < NB * C4; i += MK_THREADS) {
+            float4 t = dn4[i];
+            for (int j = 1; j < KG; ++j) {
+                const float4 u = dn4[j * NB * C4 + i];
+                t.x += u.x; t.y += u.y; t.z += u.z; t.w += u.w;
+            }
+            red_add4(acc + 4 * i, t);
+        }
+    }
     __syncthreads();
 }
 
@@ -655,8 +759,9 @@ __device__ __noinline__ void prefetch_attention(const float* kc, const float* vc
 
 // ------------------------------------------------------------------------------------------ the kernel
 struct Work {              // float workspace (the host allocates it as one buffer)
-    float *x, *q, *att, *h, *partial;
+    float *x, *q, *att, *acc, *partial;
 };
+
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
 megakernel_decode(const unsigned long long* __restrict__ lw, const float* __restrict__ wte,
@@ -665,8 +770,10 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                   float* logits, int* out_tokens, int L, int nch, int nsteps, unsigned epoch, unsigned bar_base,
                   long long timeout_ns, int stall_block, int* err, unsigned long long* timeline) {
     extern __shared__ float4 smem4[];
-    float* xs = reinterpret_cast<float*>(smem4);                            // NB x 4C
-    float* part = xs + NB * 4 * C;                                          // 2 x NWARPS x R x NB
+    float* xs = reinterpret_cast<float*>(smem4);                            // NB x C
+    float* dn = xs + NB * C;                                                // MLP_KG x NB x C
+    float* hs = dn + MLP_KG * NB * C;                                       // NB x MK_HCAP
+    float* part = hs + NB * MK_HCAP;                                        // 2 x NWARPS x R x NB
     float* sq = part + 2 * NWARPS * R * NB;                                 // NWARPS x HD
     float* sp = sq + NWARPS * HD;                                           // NWARPS x ATT_MAXCL
     __shared__ int stok[NB], spos[NB], slens[NB];
@@ -678,10 +785,20 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
     wk.x = ws;
     wk.q = wk.x + NB * C;
     wk.att = wk.q + NB * C;
-    wk.h = wk.att + NB * C;
-    wk.partial = wk.h + NB * 4 * C;
+    wk.acc = wk.att + NB * C;
+    wk.partial = wk.acc + NB * C;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const unsigned G = gridDim.x;
+    {   // the layout above against what the host gave (megakernel.py's smem_bytes): an error, not a stray write
+        constexpr unsigned need = 4u * (NB * C * (1 + MLP_KG) + NB * MK_HCAP + 2 * NWARPS * R * NB + NWARPS * HD
+                                        + NWARPS * ATT_MAXCL);
+        unsigned have;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+        if (have < need) {
+            if (threadIdx.x == 0 && atomicCAS(err, 0, 2) == 0) { err[5] = (int)have; err[6] = (int)need; }
+            return;
+        }
+    }
 #if MK_VERSION == 1
     unsigned bar = bar_base;                 // v1: barriers passed so far on this sync buffer
 #else
@@ -701,11 +818,11 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             const float* Wattn = (const float*)P[LW_ATTNW];
             const float* Wproj = (const float*)P[LW_PROJW];
             const float* Wfc = (const float*)P[LW_FCW];
-            const float* Wmproj = (const float*)P[LW_MPROJW];
+            const float* WmprojT = (const float*)P[LW_MPROJWT];
             float* kc = (float*)P[LW_KCACHE];
             float* vc = (float*)P[LW_VCACHE];
             const unsigned gl = gs * NL + layer;
-            int sidx = step * STAGES_PER_STEP + layer * 5;
+            int sidx = step * STAGES_PER_STEP + layer * STAGES_PER_LAYER;
 
             // ================= QKV: x -> LayerNorm -> q, k/v appended
             stamp(ctl, sidx, 0);
@@ -725,11 +842,13 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 slens[threadIdx.x] = __ldcg(lens + threadIdx.x);
             }
             __syncthreads();
-            ln_rows(wk.x, (const float*)P[LW_LN1W], (const float*)P[LW_LN1B], xs, layer == 0, wte, wpe, stok, spos,
-                    wk.x);
+            ln_rows(wk.x, layer > 0 ? wk.acc : nullptr, (const float*)P[LW_LN1W], (const float*)P[LW_LN1B], xs,
+                    layer == 0, wte, wpe, stok, spos, wk.x);
             {
-                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr};
-                gemv_tile<C, 3 * C, EPI_QKV>(w, MK_VERSION == 2, Wattn, xs, part, e);
+                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr, nullptr, 0, 0};
+                int rg0, rg1;
+                tile_range<3 * C>(rg0, rg1);
+                gemv_tile<C, 3 * C, EPI_QKV>(w, MK_VERSION == 2, Wattn, xs, part, e, rg0, rg1);
             }
 #if MK_VERSION == 2
             {   // announce the finished rows of each head
@@ -778,13 +897,17 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
 #endif
             stamp(ctl, sidx, 2);
 
-            // ================= PROJ: x += att W^T + b
+            // ================= PROJ: x += att W^T + b (+ the last layer's MLP sums, acc, which it zeroes)
             ++sidx;
             stamp(ctl, sidx, 0);
 #if MK_VERSION == 1
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_PROJ, layer, step})) return;
 #else
-            prefetch_tile<4 * C, C, EPI_RESID>(Wmproj);
+            {   // the MLP's down-projection rows of this block (all of them: it loads them at once)
+                int rg0, rg1;
+                tile_range<4 * C>(rg0, rg1);
+                prefetch_rows<C, 4 * C, EPI_GELU>(WmprojT, rg0 * R, rg1 * R);
+            }
             if (!block_wait(sync + S_ATT_DONE, (gl + 1) * NB * NH * (proj_merges(nch) ? nch : 1), ctl,
                             Where{ST_PROJ, layer, step})) return;
 #endif
@@ -792,19 +915,21 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             if (proj_merges(nch)) merge_rows(wk.partial, xs, nch);
             else copy_rows(wk.att, xs, NB * C / 4);
             {
-                const Epi e{(const float*)P[LW_PROJB], wk.x, nullptr, nullptr, spos, L, nullptr};
-                gemv_tile<C, C, EPI_RESID>(w, false, Wproj, xs, part, e);   // its rows are in L2 by now (v2)
+                const Epi e{(const float*)P[LW_PROJB], wk.x, nullptr, nullptr, spos, L, nullptr, wk.acc, layer > 0, 0};
+                int rg0, rg1;
+                tile_range<C>(rg0, rg1);
+                gemv_tile<C, C, EPI_RESID>(w, false, Wproj, xs, part, e, rg0, rg1);   // its rows are in L2 by now (v2)
             }
 #if MK_VERSION == 2
             block_signal(sync + S_X_DONE, 1, ctl);
 #endif
             stamp(ctl, sidx, 2);
 
-            // ================= FC: h = gelu(LayerNorm(x) W^T + b)
+            // ================= MLP: acc += gelu(LayerNorm(x) Wfc^T + bfc) Wmproj^T (+ bmproj), split over h
             ++sidx;
             stamp(ctl, sidx, 0);
 #if MK_VERSION == 1
-            if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_FC, layer, step})) return;
+            if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_MLP, layer, step})) return;
 #else
             {   // the stage after this one: the next layer's QKV rows, or the LM head's first waves
                 const unsigned long long* Pn = lw + (layer + 1 < NL ? layer + 1 : layer) * LW_COUNT;
@@ -812,34 +937,27 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 else prefetch_tile<C, VOCAB, EPI_LOGITS>(wte);
             }
             gemv_preload<C, 4 * C, EPI_GELU>(w, Wfc);
-            if (!block_wait(sync + S_X_DONE, (gl + 1) * G, ctl, Where{ST_FC, layer, step})) return;
+            if (!block_wait(sync + S_X_DONE, (gl + 1) * G, ctl, Where{ST_MLP, layer, step})) return;
 #endif
             stamp(ctl, sidx, 1);
-            ln_rows(wk.x, (const float*)P[LW_LN2W], (const float*)P[LW_LN2B], xs, false, wte, wpe, stok, spos,
-                    wk.x);
+            ln_rows(wk.x, nullptr, (const float*)P[LW_LN2W], (const float*)P[LW_LN2B], xs, false, wte, wpe, stok,
+                    spos, wk.x);
             {
-                const Epi e{(const float*)P[LW_FCB], wk.h, nullptr, nullptr, spos, L, nullptr};
-                gemv_tile<C, 4 * C, EPI_GELU>(w, MK_VERSION == 2, Wfc, xs, part, e);
-            }
-#if MK_VERSION == 2
-            block_signal(sync + S_H_DONE, 1, ctl);
-#endif
-            stamp(ctl, sidx, 2);
-
-            // ================= MPROJ: x += h W^T + b
-            ++sidx;
-            stamp(ctl, sidx, 0);
-#if MK_VERSION == 1
-            if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_MPROJ, layer, step})) return;
-#else
-            gemv_preload<4 * C, C, EPI_RESID>(w, Wmproj);
-            if (!block_wait(sync + S_H_DONE, (gl + 1) * G, ctl, Where{ST_MPROJ, layer, step})) return;
-#endif
-            stamp(ctl, sidx, 1);
-            copy_rows(wk.h, xs, NB * C);
-            {
-                const Epi e{(const float*)P[LW_MPROJB], wk.x, nullptr, nullptr, spos, L, nullptr};
-                gemv_tile<4 * C, C, EPI_RESID>(w, MK_VERSION == 2, Wmproj, xs, part, e);
+                int rg0, rg1;
+                tile_range<4 * C>(rg0, rg1);
+                for (int c0 = rg0; c0 < rg1; c0 += MK_HCAP / R) {         // one pass unless the grid is small
+                    const int c1 = min(rg1, c0 + MK_HCAP / R);
+                    const Epi e{(const float*)P[LW_FCB], hs, nullptr, nullptr, spos, L, nullptr, nullptr, 0, c0 * R};
+                    if (c0 == rg0) {
+                        gemv_tile<C, 4 * C, EPI_GELU>(w, MK_VERSION == 2, Wfc, xs, part, e, c0, c1);
+                    } else {                                        // w is dead from here: no registers held
+                        float4 w2[R][U];
+                        gemv_tile<C, 4 * C, EPI_GELU>(w2, false, Wfc, xs, part, e, c0, c1);
+                    }
+                    __syncthreads();
+                    mlp_down(hs, WmprojT, blockIdx.x == 0 && c0 == rg0 ? (const float*)P[LW_MPROJB] : nullptr, c0 * R,
+                             min(c1 * R, 4 * C), dn, wk.acc);
+                }
             }
 #if MK_VERSION == 2
             block_signal(sync + S_X2_DONE, 1, ctl);
@@ -848,7 +966,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         }
 
         // ================= LM head: logits = LayerNorm_f(x) wte^T, greedy choice
-        const int sidx = step * STAGES_PER_STEP + 5 * NL;
+        const int sidx = step * STAGES_PER_STEP + STAGES_PER_LAYER * NL;
         stamp(ctl, sidx, 0);
         if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;
 #if MK_VERSION == 1
@@ -858,10 +976,12 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         if (!block_wait(sync + S_X2_DONE, (gs * NL + NL) * G, ctl, Where{ST_LM, NL, step})) return;
 #endif
         stamp(ctl, sidx, 1);
-        ln_rows(wk.x, lnf_w, lnf_b, xs, false, wte, wpe, stok, spos, wk.x);
+        ln_rows(wk.x, wk.acc, lnf_w, lnf_b, xs, false, wte, wpe, stok, spos, wk.x);
         {
-            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest};
-            gemv_tile<C, VOCAB, EPI_LOGITS>(w, MK_VERSION == 2, wte, xs, part, e);
+            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr, 0, 0};
+            int rg0, rg1;
+            tile_range<VOCAB>(rg0, rg1);
+            gemv_tile<C, VOCAB, EPI_LOGITS>(w, MK_VERSION == 2, wte, xs, part, e, rg0, rg1);
         }
         if (threadIdx.x < NB && sbest[threadIdx.x]) atomicMax(amax + threadIdx.x, sbest[threadIdx.x]);
         __syncthreads();

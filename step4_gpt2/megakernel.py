@@ -44,9 +44,11 @@ UNROLL = 3               # float4 columns per lane per row in one item: 96 float
 PF_WAVES = 2             # v2: waves of weight rows asked from L2 ahead of use
 ATT_MAXCL = 256          # most cache positions one attention unit (one warp) handles
 MERGE_MAX = 4            # batch x chunks up to which the attention projection merges the chunks itself
+HCAP = 48                # most h rows a block keeps in shared memory at once (the MLP stage; more: in turns)
 SYNC_FIXED = 8           # fixed counters before the per-head ones (megakernel.cu: S_HEAD0)
 LW_COUNT = 14            # pointers per layer in the table (megakernel.cu: LW_COUNT)
-STAGES = ("QKV", "attention", "attn proj", "fc", "mlp proj", "LM head")
+STAGES = ("QKV", "attention", "attn proj", "mlp", "LM head")
+PER_LAYER = len(STAGES) - 1          # stages per layer; the LM head ends a step
 TIMEOUT_S = 2.0
 AUTO_MAX_BATCH = 0       # mode="auto" picks the megakernel up to this batch (0: never; see preferred)
 
@@ -75,7 +77,7 @@ def defines(config, batch: int, version: int = 2, timeline: bool = False, thread
     """The compile-time constants of megakernel.cu for a model config and batch."""
     return {"NB": int(batch), "C": config.n_embd, "NH": config.n_head, "NL": config.n_layer,
             "VOCAB": config.vocab_size, "MK_THREADS": threads, "MK_ROWS": ROWS, "MK_UNROLL": unroll,
-            "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL, "MK_MERGE_MAX": MERGE_MAX,
+            "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL, "MK_MERGE_MAX": MERGE_MAX, "MK_HCAP": HCAP,
             "MK_EPS": f"{float(config.eps)!r}f", "MK_TIMELINE": int(bool(timeline)),
             "MK_LW_COUNT": LW_COUNT, "MK_SYNC_FIXED": SYNC_FIXED}     # checked against the .cu's own (static_assert)
 
@@ -84,11 +86,18 @@ def defines(config, batch: int, version: int = 2, timeline: bool = False, thread
 CU_DEFINES = {SOURCE: defines(GPTConfig(), 1)}
 
 
+def _mlp_groups(config, threads: int) -> int:
+    """Groups of threads that split the rows of the MLP's down projection (megakernel.cu: MLP_KG)."""
+    c4 = config.n_embd // 4
+    return 1 if c4 > threads else threads // c4
+
+
 def smem_bytes(config, batch: int, threads: int = THREADS) -> int:
-    """Dynamic shared memory per block: the stage input (batch x 4C), the cross-warp partial sums, and each
-    warp's q row and attention probabilities."""
-    warps = threads // 32
-    return 4 * (batch * 4 * config.n_embd + 2 * warps * ROWS * batch + warps * config.head_dim + warps * ATT_MAXCL)
+    """Dynamic shared memory per block: the stage input (batch x C), the MLP's cross-group sums and its h
+    rows, the cross-warp partial sums, and each warp's q row and attention probabilities."""
+    warps, C = threads // 32, config.n_embd
+    return 4 * (batch * C * (1 + _mlp_groups(config, threads)) + batch * HCAP + 2 * warps * ROWS * batch
+                + warps * config.head_dim + warps * ATT_MAXCL)
 
 
 def _fit(config, batch: int, version: int = 2, timeline: bool = False, threads: int = THREADS,
@@ -157,15 +166,17 @@ class MegakernelDecoder(Decoder):
         B, C, H, D, L = self.batch, cfg.n_embd, cfg.n_head, cfg.head_dim, self.length
         warps = self.grid * (threads // 32)
         self.nch = max(-(-L // ATT_MAXCL), min(-(-L // 32), max(1, warps // (B * H))))
-        self.work = cp.zeros(B * C * 3 + B * 4 * C + B * H * self.nch * (D + 2), cp.float32)
+        self.work = cp.zeros(B * C * 4 + B * H * self.nch * (D + 2), cp.float32)     # x, q, att, acc, partials
         self.sync = cp.zeros(SYNC_FIXED + H + B * H, cp.uint32)
         self.amax = cp.zeros(B, cp.uint64)
         self.err = cp.zeros(8, cp.int32)
         ptrs = []
         for i, blk in enumerate(model.h):
+            # the MLP's down projection is split over its inputs: each block reads whole rows of c_proj^T
+            # (4C x C, as the checkpoint stores it), so the decoder keeps that copy (4C x C floats per layer)
             ptrs += [blk.ln_1[0], blk.ln_1[1], blk.c_attn, blk.c_attn_b, blk.c_proj, blk.c_proj_b, blk.ln_2[0],
-                     blk.ln_2[1], blk.c_fc, blk.c_fc_b, blk.mlp_proj, blk.mlp_proj_b, self.state.cache.k[i],
-                     self.state.cache.v[i]]
+                     blk.ln_2[1], blk.c_fc, blk.c_fc_b, cp.ascontiguousarray(blk.mlp_proj.T), blk.mlp_proj_b,
+                     self.state.cache.k[i], self.state.cache.v[i]]
         if len(ptrs) != cfg.n_layer * LW_COUNT:
             raise RuntimeError("megakernel: the layer pointer table does not match megakernel.cu's LW_COUNT")
         self.ptrs = cp.asarray(np.array([a.data.ptr for a in ptrs], np.uint64))
@@ -211,7 +222,7 @@ class MegakernelDecoder(Decoder):
         self._rows += int(nsteps)
         timeline = None
         if self.timeline:
-            per_step = 5 * self.model.config.n_layer + 1
+            per_step = PER_LAYER * self.model.config.n_layer + 1
             with self.stream:                   # zeroed on the stream the kernel then runs on
                 timeline = cp.zeros((self.grid, nsteps * per_step, 3), cp.uint64)
             self.last_timeline = timeline
@@ -224,7 +235,7 @@ class MegakernelDecoder(Decoder):
         with self.stream:
             self.fn((self.grid,), (self.threads,), args, shared_mem=self.smem)
         self.epoch += nsteps
-        self.barriers += self.grid * (nsteps * (5 * self.model.config.n_layer + 1) - 1)
+        self.barriers += self.grid * (nsteps * (PER_LAYER * self.model.config.n_layer + 1) - 1)
 
     def check(self) -> None:
         """Raise MegakernelTimeout if a launch reported a timeout (and reset the counters for the next run)."""
@@ -232,6 +243,9 @@ class MegakernelDecoder(Decoder):
         if e[0] == 0:
             return
         self.reset()
+        if e[0] == 2:
+            raise RuntimeError(f"megakernel: launched with {e[5]:,} B of dynamic shared memory, its layout needs "
+                               f"{e[6]:,} B (smem_bytes and megakernel.cu disagree)")
         stage = STAGES[e[2]] if 0 <= e[2] < len(STAGES) else f"#{e[2]}"
         raise MegakernelTimeout(
             f"megakernel: block {e[1]} waited more than {self.timeout_ns / 1e9:g} s at stage {stage!r} of layer "
@@ -301,15 +315,15 @@ class MegakernelDecoder(Decoder):
         names = []
         for _ in range(nsteps):
             for layer in range(self.model.config.n_layer):
-                names += [f"L{layer} {s}" for s in STAGES[:5]]
-            names.append(STAGES[5])
+                names += [f"L{layer} {s}" for s in STAGES[:PER_LAYER]]
+            names.append(STAGES[PER_LAYER])
         return names
 
 
 def stage_kind(j: int, n_layer: int) -> int:
-    """Index into STAGES of stage j of a timeline (5 per layer, then the LM head, per step)."""
-    j %= 5 * n_layer + 1
-    return 5 if j == 5 * n_layer else j % 5
+    """Index into STAGES of stage j of a timeline (PER_LAYER per layer, then the LM head, per step)."""
+    j %= PER_LAYER * n_layer + 1
+    return PER_LAYER if j == PER_LAYER * n_layer else j % PER_LAYER
 
 
 def breakdown(t_ms: np.ndarray, n_layer: int) -> dict:

@@ -47,8 +47,9 @@ def test_unsupported_shapes_are_named():
 
 
 def test_stage_names_and_kinds():
-    assert [M.stage_kind(j, 2) for j in range(12)] == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0]
-    t = np.zeros((2, 11, 3))
+    assert M.STAGES == ("QKV", "attention", "attn proj", "mlp", "LM head") and M.PER_LAYER == 4
+    assert [M.stage_kind(j, 2) for j in range(10)] == [0, 1, 2, 3, 0, 1, 2, 3, 4, 0]
+    t = np.zeros((2, 9, 3))
     t[:, :, 1], t[:, :, 2] = 1.0, 3.0                    # 1 ms waiting, 2 ms working per stage
     b = M.breakdown(t, 2)
     assert b["QKV"] == {"wait_ms": 2.0, "work_ms": 4.0} and b["LM head"] == {"wait_ms": 1.0, "work_ms": 2.0}
@@ -263,6 +264,21 @@ def test_forced_timeout_raises_and_the_decoder_recovers(cp, version):
 
 
 @gpu
+def test_a_launch_with_too_little_shared_memory_reports_it(cp):
+    model, _, _ = _model(TINY)
+    prompts = _prompts(TINY, 1)
+    dec = M.MegakernelDecoder(model, 1, 20)
+    dec.prefill(pad_prompts(prompts), [len(prompts[0])])
+    need = dec.smem
+    dec.smem -= 16                                         # as if smem_bytes and the .cu's layout disagreed
+    dec.launch(1)
+    with pytest.raises(RuntimeError, match=f"needs {need:,} B"):
+        dec.stream.synchronize()
+        dec.check()
+    assert int(dec.err.get()[0]) == 0
+
+
+@gpu
 def test_bad_arguments_are_named(cp):
     model, _, _ = _model(SMALL4)
     with pytest.raises(M.MegakernelUnavailable, match="batch"):
@@ -298,7 +314,7 @@ def test_timeline_stamps_every_stage(cp, version):
     dec.stream.synchronize()
     dec.check()
     t = dec.timeline_ms()
-    n = 5 * SMALL4.n_layer + 1
+    n = M.PER_LAYER * SMALL4.n_layer + 1
     assert t.shape == (dec.grid, 2 * n, 3)
     assert not np.isnan(t[:, :, 0]).any() and not np.isnan(t[:, :, 2]).any()
     ready = np.where(np.isnan(t[:, :, 1]), t[:, :, 0], t[:, :, 1])
