@@ -31,8 +31,8 @@ def main(argv=None) -> int:
                    help="a folder with model.safetensors (+ config.json, + char_vocab.json), or the file itself")
     p.add_argument("--decode", default="auto", choices=MODES,
                    help="graph: replay each decode step from a CUDA graph; eager: launch every kernel; "
-                        "megakernel: one persistent kernel per step; auto: graph, or the megakernel up to "
-                        "megakernel.AUTO_MAX_BATCH sequences (0: never)")
+                        "megakernel: one persistent kernel per step; auto: the megakernel for greedy decoding of up "
+                        "to megakernel.AUTO_MAX_BATCH sequences where it fits this GPU, else graph")
     p.add_argument("--no-graph", action="store_true", help="the same as --decode eager")
     args = p.parse_args(argv)
 

@@ -50,7 +50,8 @@ LW_COUNT = 14            # pointers per layer in the table (megakernel.cu: LW_CO
 STAGES = ("QKV", "attention", "attn proj", "mlp", "LM head")
 PER_LAYER = len(STAGES) - 1          # stages per layer; the LM head ends a step
 TIMEOUT_S = 2.0
-AUTO_MAX_BATCH = 0       # mode="auto" picks the megakernel up to this batch (0: never; see preferred)
+AUTO_MAX_BATCH = 8       # mode="auto" picks the megakernel for greedy decoding up to this batch, where it fits
+                         # (benchmarks_megakernel: v2 beat the graph decode at batch 1 and 8, caches 32 and 991)
 
 
 class MegakernelUnavailable(RuntimeError):

@@ -116,6 +116,17 @@ def test_step_logits_match_float64_reference(cp, cfg, batch, version):
 
 @gpu
 @pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("cfg", [W.GPTConfig(n_layer=1, n_head=16, n_embd=1024, vocab_size=300, block_size=64),
+                                 W.GPTConfig(n_layer=1, n_head=25, n_embd=1600, vocab_size=300, block_size=64)],
+                         ids=["1L-16H-1024", "1L-25H-1600"])
+def test_wider_models_split_the_mlp_down_projection_other_ways(cp, cfg, version):
+    """gpt2-medium's width (C = 1024: one group of threads, a float4 column each, no cross-group sum) and
+    gpt2-xl's (C = 1600: more float4 columns than threads, taken in turns); logits as above."""
+    _check_steps(cp, cfg, version, _prompts(cfg, 2), max(LENS[:2]) + 4)
+
+
+@gpu
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("batch,prompt,length,proj_merges", [(1, 70, 100, True), (2, 40, 64, True),
                                                              (1, 150, 160, False), (2, 90, 100, False)])
 @pytest.mark.parametrize("cfg", [G124, SMALL4], ids=["124M", "4L-4H-256"])
