@@ -16,7 +16,7 @@
 //                        times the same rows of mlp c_proj^T -> added into acc with atomics (split-K): the
 //                        block needs no other block's h, so the MLP is one stage, not two. acc joins x (the
 //                        residual) in the next layer's projection; LayerNorms before that read x + acc.
-//   then        LM       LayerNorm_f(x) -> rows of the tied LM head -> logits, and the greedy choice:
+//   then        LM       LayerNorm_f(x + acc) -> rows of the tied LM head -> logits, and the greedy choice:
 //                        each block's best (value, index) packed into 64 bits, combined with one atomicMax;
 //                        the last block to finish writes the token and advances the position.
 //
@@ -114,7 +114,7 @@ static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024 && NWARPS >= NB, "MK_TH
 static_assert(MK_VERSION == 1 || MK_VERSION == 2, "MK_VERSION must be 1 or 2");
 static_assert(ATT_MAXCL % 32 == 0, "ATT_MAXCL must be a multiple of 32");
 static_assert(MK_MERGE_MAX >= 1, "MK_MERGE_MAX: at least 1");
-static_assert(MK_HCAP % R == 0 && MK_HCAP >= R, "MK_HCAP: a multiple of MK_ROWS");
+static_assert(MK_HCAP % R == 0 && MK_HCAP % 4 == 0, "MK_HCAP: a multiple of MK_ROWS and of 4 (float4 after it)");
 
 // One layer's pointers in the table the host passes (NL x LW_COUNT, as 64-bit integers).
 enum { LW_LN1W, LW_LN1B, LW_ATTNW, LW_ATTNB, LW_PROJW, LW_PROJB, LW_LN2W, LW_LN2B, LW_FCW, LW_FCB,
@@ -955,7 +955,8 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                         gemv_tile<C, 4 * C, EPI_GELU>(w2, false, Wfc, xs, part, e, c0, c1);
                     }
                     __syncthreads();
-                    mlp_down(hs, WmprojT, blockIdx.x == 0 && c0 == rg0 ? (const float*)P[LW_MPROJB] : nullptr, c0 * R,
+                    // the bias once: by the block with row 0 (block 0 has no rows when the grid is wider than 4C/R)
+                    mlp_down(hs, WmprojT, c0 == 0 ? (const float*)P[LW_MPROJB] : nullptr, c0 * R,
                              min(c1 * R, 4 * C), dn, wk.acc);
                 }
             }
@@ -965,7 +966,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             stamp(ctl, sidx, 2);
         }
 
-        // ================= LM head: logits = LayerNorm_f(x) wte^T, greedy choice
+        // ================= LM head: logits = LayerNorm_f(x + acc) wte^T, greedy choice
         const int sidx = step * STAGES_PER_STEP + STAGES_PER_LAYER * NL;
         stamp(ctl, sidx, 0);
         if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;

@@ -116,12 +116,14 @@ def test_step_logits_match_float64_reference(cp, cfg, batch, version):
 
 @gpu
 @pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("cfg", [W.GPTConfig(n_layer=1, n_head=16, n_embd=1024, vocab_size=300, block_size=64),
-                                 W.GPTConfig(n_layer=1, n_head=25, n_embd=1600, vocab_size=300, block_size=64)],
-                         ids=["1L-16H-1024", "1L-25H-1600"])
-def test_wider_models_split_the_mlp_down_projection_other_ways(cp, cfg, version):
-    """gpt2-medium's width (C = 1024: one group of threads, a float4 column each, no cross-group sum) and
-    gpt2-xl's (C = 1600: more float4 columns than threads, taken in turns); logits as above."""
+@pytest.mark.parametrize("cfg", [W.GPTConfig(n_layer=2, n_head=16, n_embd=1024, vocab_size=300, block_size=64),
+                                 W.GPTConfig(n_layer=2, n_head=25, n_embd=1600, vocab_size=300, block_size=64),
+                                 W.GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=300, block_size=64)],
+                         ids=["2L-16H-1024", "2L-25H-1600", "2L-2H-64"])
+def test_other_widths_split_the_mlp_down_projection_other_ways(cp, cfg, version):
+    """gpt2-medium's width (C = 1024: one group of threads, a float4 column each, no cross-group sum),
+    gpt2-xl's (C = 1600: more float4 columns than threads, taken in turns), and C = 64, where a full grid has
+    more blocks than the MLP has row pairs (block 0 owns none: another block adds the bias); logits as above."""
     _check_steps(cp, cfg, version, _prompts(cfg, 2), max(LENS[:2]) + 4)
 
 
