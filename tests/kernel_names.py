@@ -87,8 +87,10 @@ def kernel_requests(py) -> list[tuple[Path, str, int]]:
 
 
 def declared(module, attr: str) -> dict:
-    """{absolute .cu path: value} of a module's CU_DEFINES or CU_TEMPLATES (empty when it has none)."""
-    return {Path(k).resolve(): v for k, v in getattr(module, attr, {}).items()}
+    """{absolute .cu path: value} of a module's CU_DEFINES or CU_TEMPLATES (empty when it has none); a relative
+    key is a path from the module's own folder, not from wherever pytest runs."""
+    here = Path(module.__file__).resolve().parent
+    return {(here / k).resolve(): v for k, v in getattr(module, attr, {}).items()}
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,6 +38,16 @@ def test_sources_found():
     assert TEMPLATES, "no module declares CU_TEMPLATES"
 
 
+def test_a_relative_cu_key_is_read_from_the_module_folder(monkeypatch, tmp_path):
+    import types
+    module = types.ModuleType("fake")
+    module.__file__ = str(ROOT / "step4_gpt2" / "fake.py")
+    module.CU_DEFINES = {"megakernel.cu": {"NB": 2}, str(ROOT / "step1_simple" / "x.cu"): {}}
+    monkeypatch.chdir(tmp_path)                       # not the repository: the key must not depend on it
+    assert declared(module, "CU_DEFINES") == {ROOT / "step4_gpt2" / "megakernel.cu": {"NB": 2},
+                                              ROOT / "step1_simple" / "x.cu": {}}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES)
 def test_compiles(source, arch):
