@@ -69,8 +69,9 @@ def poison(a):
 
 def is_poisoned(a) -> np.ndarray:
     """Where a NumPy array still holds poison's fill (NaN for floats)."""
-    kind = np.dtype(a.dtype).kind
-    return np.isnan(a) if kind == "f" else a == (np.iinfo(a.dtype).max if kind == "u" else -1)
+    if np.dtype(a.dtype).kind == "f":
+        return np.isnan(a)
+    return a == poison(np.empty(1, a.dtype))[0]
 
 
 def rand(*shape, dtype=np.float32, seed: int | None = None, low: float = -1.0, high: float = 1.0, rng=None):

@@ -17,16 +17,16 @@ import time
 import numpy as np
 
 import common
-from common import bench, torch_cuda
+from common import bench, max_rel_error, torch_cuda
 from common.benchmarks import Row
 
 B, T, V = 64, 256, 65
 SIZE = f"6L C384 B{B} T{T}"
 
 
-def _config():
+def _config(vocab_size: int = V):
     from step4_gpt2.train import shakespeare_char
-    return shakespeare_char(V)
+    return shakespeare_char(vocab_size)
 
 
 def random_batches(n: int, batch: int = B, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -89,11 +89,12 @@ def torch_step(config=None, tc=None, compiled: bool = False, params=None):
     return model, step
 
 
-def train_throughput_rows(compile_torch: bool = True, steps: int = 20, config=None) -> list[Row]:
+def train_throughput_rows(compile_torch: bool = True, steps: int = 20, vocab_size: int = V) -> list[Row]:
     """Our training step against PyTorch eager (and torch.compile) on the same batches: the shakespeare_char
-    model with a 65-character vocabulary, or `config` (the same size, another vocabulary: the notebook's)."""
+    model with a vocabulary of vocab_size tokens (65 characters by default; the notebook passes its own)."""
     batches = random_batches(steps + 3)
     tokens = B * T
+    config = _config(vocab_size)
     _, ours = ours_step(config)
     t_ours = loop_wall_s(ours, batches)
     rows = [Row("train step, ours (tok/s)", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s")]
@@ -303,8 +304,8 @@ def gradient_check(B_: int = 4, seed: int = 1) -> list[tuple]:
     groups = {}
     for k in ours:
         g = k.split(".", 2)[-1] if k.startswith("h.") else k
-        e = (TT.max_rel_error(ours[k], ref[torch.float32][k]), TT.max_rel_error(ours[k], ref[torch.float64][k]),
-             TT.max_rel_error(ref[torch.float32][k], ref[torch.float64][k]))
+        e = (max_rel_error(ours[k], ref[torch.float32][k]), max_rel_error(ours[k], ref[torch.float64][k]),
+             max_rel_error(ref[torch.float32][k], ref[torch.float64][k]))
         old = groups.get(g, (0.0, 0.0, 0.0))
         groups[g] = tuple(max(a, b) for a, b in zip(old, e))
     return [(g, *e) for g, e in groups.items()]

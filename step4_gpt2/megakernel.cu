@@ -11,11 +11,9 @@
 //               ATT      attention over the cache, split over (sequence, head, chunk of positions), one warp
 //                        per unit, units dealt round-robin over the blocks (one SM's loads per unit); the last
 //                        unit of a (sequence, head) to finish combines the chunks, or, with few chunks, PROJ
-//               PROJ     (merges the chunks) -> rows of attn c_proj, + bias + residual into x (in place)
-//               MLP      LayerNorm(x) -> rows of c_fc -> GELU -> h (the block's rows, in shared memory) ->
-//                        times the same rows of mlp c_proj^T -> added into acc with atomics (split-K): the
-//                        block needs no other block's h, so the MLP is one stage, not two. acc joins x (the
-//                        residual) in the next layer's projection; LayerNorms before that read x + acc.
+//               PROJ     (merges the chunks) -> rows of attn c_proj, + bias + residual (+ acc) into x
+//               MLP      LayerNorm(x) -> rows of c_fc -> GELU -> h rows (shared memory) -> times the same
+//                        rows of mlp c_proj^T, added into acc (split-K, below); LayerNorms read x + acc
 //   then        LM       LayerNorm_f(x + acc) -> rows of the tied LM head -> logits, and the greedy choice:
 //                        each block's best (value, index) packed into 64 bits, combined with one atomicMax;
 //                        the last block to finish writes the token and advances the position.
@@ -24,7 +22,8 @@
 // ROWS rows x one segment of 32*UNROLL float4 columns and issues all its weight loads before using them.
 // The MLP's down projection is split the other way (over its inputs, K): a block multiplies the h rows it has
 // just made by the matching rows of mlp c_proj^T (the host passes it transposed) and adds C partial sums into
-// acc, so the order of those additions, and the last bits of x, vary from run to run.
+// acc with atomics, so no block waits for another's h and the MLP is one stage, not two. The next projection
+// folds acc into x and zeroes it. The order of those additions, and the last bits of x, vary from run to run.
 //
 //   v1  a grid-wide barrier before every stage (an atomic counter + a bounded spin), 4 per layer: simple,
 //       but after each barrier every block starts its loads from scratch: the DRAM idles for the barrier
@@ -516,9 +515,10 @@ __device__ __forceinline__ void mlp_column(float4 (&s)[NB], const float* hs, con
 
 // acc (NB x C) += h rows [r0, r1) (shared: hs[b * MK_HCAP + r - r0]) times the same rows of Wt (4C x C, mlp
 // c_proj transposed): the block's share of the down projection, split over its inputs. KG groups of threads
-// take every KG-th row, a thread per float4 column (WIDE: a thread takes columns in turns); their sums meet in
-// shared memory (dn, KG x NB x C) and one atomic per float4 adds them to acc (red.global.add.v4.f32 on sm_90,
-// four scalar ones before). `bias`: added once (the caller passes it in one block only).
+// take every KG-th row, a thread per float4 column (WIDE: a thread takes columns in turns); with KG > 1 their
+// sums meet in shared memory (dn, KG x NB x C). One atomic per float4 adds a column's sum to acc
+// (red.global.add.v4.f32 on sm_90, four scalar ones before). `bias`: added once (the caller passes it in one
+// block only).
 __device__ MK_OUTLINE void mlp_down(const float* hs, const float* __restrict__ Wt, const float* __restrict__ bias,
                                     int r0, int r1, float* dn, float* acc) {
     constexpr int C4 = C / 4;
@@ -534,13 +534,12 @@ __device__ MK_OUTLINE void mlp_down(const float* hs, const float* __restrict__ W
         for (int b = 0; b < NB; ++b) s[b] = bias && g == 0 ? __ldg(bias4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
         mlp_column<KG>(s, hs, W4, c, g, r0, r1);
 #pragma unroll
-        for (int b = 0; b < NB; ++b) dn4[(g * NB + b) * C4 + c] = s[b];     // not held across the barrier below
-        if (WIDE) {
-#pragma unroll
-            for (int b = 0; b < NB; ++b) red_add4(acc + b * C + 4 * c, dn4[b * C4 + c]);
+        for (int b = 0; b < NB; ++b) {
+            if (KG == 1) red_add4(acc + b * C + 4 * c, s[b]);
+            else dn4[(g * NB + b) * C4 + c] = s[b];               // not held across the barrier below
         }
     }
-    if (!WIDE) {                                                  // the KG groups' sums, one atomic per float4
+    if (KG > 1) {                                                 // the KG groups' sums, one atomic per float4
         __syncthreads();
         for (int i = threadIdx.x; i < NB * C4; i += MK_THREADS) {
             float4 t = dn4[i];

@@ -78,13 +78,19 @@ def defines(config, batch: int, version: int = 2, timeline: bool = False, thread
     """The compile-time constants of megakernel.cu for a model config and batch."""
     return {"NB": int(batch), "C": config.n_embd, "NH": config.n_head, "NL": config.n_layer,
             "VOCAB": config.vocab_size, "MK_THREADS": threads, "MK_ROWS": ROWS, "MK_UNROLL": unroll,
-            "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL, "MK_MERGE_MAX": MERGE_MAX, "MK_HCAP": HCAP,
+            "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL, "MK_MERGE_MAX": MERGE_MAX,
+            "MK_HCAP": HCAP,
             "MK_EPS": f"{float(config.eps)!r}f", "MK_TIMELINE": int(bool(timeline)),
             "MK_LW_COUNT": LW_COUNT, "MK_SYNC_FIXED": SYNC_FIXED}     # checked against the .cu's own (static_assert)
 
 
 # For tests/test_compile.py: GPT-2 124M at batch 1 (the .cu's own defaults), and LW_COUNT / SYNC_FIXED checked.
 CU_DEFINES = {SOURCE: defines(GPTConfig(), 1)}
+
+
+def stages_per_step(n_layer: int) -> int:
+    """Stages of one decode step (megakernel.cu: STAGES_PER_STEP): PER_LAYER per layer, then the LM head."""
+    return PER_LAYER * n_layer + 1
 
 
 def _mlp_groups(config, threads: int) -> int:
@@ -224,7 +230,7 @@ class MegakernelDecoder(Decoder):
         self._rows += int(nsteps)
         timeline = None
         if self.timeline:
-            per_step = PER_LAYER * self.model.config.n_layer + 1
+            per_step = stages_per_step(self.model.config.n_layer)
             with self.stream:                   # zeroed on the stream the kernel then runs on
                 timeline = cp.zeros((self.grid, nsteps * per_step, 3), cp.uint64)
             self.last_timeline = timeline
@@ -237,7 +243,7 @@ class MegakernelDecoder(Decoder):
         with self.stream:
             self.fn((self.grid,), (self.threads,), args, shared_mem=self.smem)
         self.epoch += nsteps
-        self.barriers += self.grid * (nsteps * (PER_LAYER * self.model.config.n_layer + 1) - 1)
+        self.barriers += self.grid * (nsteps * stages_per_step(self.model.config.n_layer) - 1)   # v1: not the first
 
     def check(self) -> None:
         """Raise MegakernelTimeout if a launch reported a timeout (and reset the counters for the next run)."""
@@ -324,7 +330,7 @@ class MegakernelDecoder(Decoder):
 
 def stage_kind(j: int, n_layer: int) -> int:
     """Index into STAGES of stage j of a timeline (PER_LAYER per layer, then the LM head, per step)."""
-    j %= PER_LAYER * n_layer + 1
+    j %= stages_per_step(n_layer)
     return PER_LAYER if j == PER_LAYER * n_layer else j % PER_LAYER
 
 
@@ -371,4 +377,4 @@ def plot_timeline(t_ms: np.ndarray, n_layer: int, title: str = "", blocks=None, 
 
 
 __all__ = ["MegakernelDecoder", "MegakernelUnavailable", "MegakernelTimeout", "unsupported_reason", "defines",
-           "smem_bytes", "breakdown", "plot_timeline", "STAGES"]
+           "smem_bytes", "stages_per_step", "breakdown", "plot_timeline", "STAGES"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.check import max_rel_error  # noqa: F401  (the gradient checks' metric, re-exported)
 from common.reference.train_gpt2 import is_decayed
 
 
@@ -127,4 +126,4 @@ def loss_and_grads(cfg, params, idx, targets, dtype=None, device="cuda") -> tupl
     return loss.item(), model.grads()
 
 
-__all__ = ["build", "adamw", "step", "loss_and_grads", "max_rel_error"]
+__all__ = ["build", "adamw", "step", "loss_and_grads"]

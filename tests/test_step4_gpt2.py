@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from common import assert_close, poison, rand
+from common import max_rel_error as max_rel   # max |a - b| / max |b|: logits near 0 stay fair
 from common.reference import gpt2 as ref
 from step4_gpt2 import weights as W
 from step4_gpt2.generate import check_sampling, sample
-from common import max_rel_error as max_rel   # max |a - b| / max |b|: logits near 0 stay fair
 
 SMALL = W.GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=50257, block_size=512)
 WIDE = W.GPTConfig(n_layer=2, n_head=16, n_embd=1024, vocab_size=50257, block_size=512)

@@ -48,6 +48,7 @@ def test_unsupported_shapes_are_named():
 
 def test_stage_names_and_kinds():
     assert M.STAGES == ("QKV", "attention", "attn proj", "mlp", "LM head") and M.PER_LAYER == 4
+    assert M.stages_per_step(12) == 49
     assert [M.stage_kind(j, 2) for j in range(10)] == [0, 1, 2, 3, 0, 1, 2, 3, 4, 0]
     t = np.zeros((2, 9, 3))
     t[:, :, 1], t[:, :, 2] = 1.0, 3.0                    # 1 ms waiting, 2 ms working per stage
@@ -327,7 +328,7 @@ def test_timeline_stamps_every_stage(cp, version):
     dec.stream.synchronize()
     dec.check()
     t = dec.timeline_ms()
-    n = M.PER_LAYER * SMALL4.n_layer + 1
+    n = M.stages_per_step(SMALL4.n_layer)
     assert t.shape == (dec.grid, 2 * n, 3)
     assert not np.isnan(t[:, :, 0]).any() and not np.isnan(t[:, :, 2]).any()
     ready = np.where(np.isnan(t[:, :, 1]), t[:, :, 0], t[:, :, 1])

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from common import assert_close, poison
+from common import assert_close, max_rel_error, poison
 from common.reference import train_gpt2 as R
 from step4_gpt2.weights import GPTConfig, random_weights
 from step4_gpt2 import train as TR
@@ -41,7 +41,7 @@ def test_reference_model_matches_torch_autograd(cfg, B, T):
     assert abs(loss - tl) < 1e-12
     assert set(G) == set(TG)
     for k in G:
-        assert TT.max_rel_error(G[k], TG[k]) < 1e-10, k
+        assert max_rel_error(G[k], TG[k]) < 1e-10, k
 
 
 @needs_torch
@@ -342,7 +342,7 @@ def whole_model_errors(cfg, B, T, attention_version=2):
     loss = float(model.loss_and_grads(cuda(idx), cuda(tgt)))
     ours = {k: v.get() for k, v in model.grads.items()}
     l32, g32 = TT.loss_and_grads(cfg, P, idx, tgt)
-    return {k: TT.max_rel_error(ours[k], g32[k]) for k in ours}, abs(loss - l32) / l32
+    return {k: max_rel_error(ours[k], g32[k]) for k in ours}, abs(loss - l32) / l32
 
 
 @gpu
