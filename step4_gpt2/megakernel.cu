@@ -294,6 +294,8 @@ struct Epi {
     float* acc;          // RESID: the last MLP's sums, folded into x when `fold` (not at layer 0), then zeroed
     int fold;
     int row0;            // GELU: the first row held in `out`
+    bool pre_ok;         // RESID: `pre` holds this thread's first-wave x + bias (+ acc), read before the wait
+    float pre;
 };
 
 __device__ __forceinline__ unsigned long long pack_best(float v, int n) {
@@ -303,7 +305,7 @@ __device__ __forceinline__ unsigned long long pack_best(float v, int n) {
 }
 
 template <int EPI, int N>
-__device__ __forceinline__ void epilogue(int v, int b, float s, const Epi& e) {
+__device__ __forceinline__ void epilogue(int v, int b, float s, const Epi& e, bool first) {
     const int n = row_of<EPI>(v);
     if (EPI == EPI_QKV) {
         s += e.bias[n];
@@ -313,7 +315,7 @@ __device__ __forceinline__ void epilogue(int v, int b, float s, const Epi& e) {
     } else if (EPI == EPI_RESID) {
         float* p = e.out + (long long)b * N + n;
         float* a = e.acc + (long long)b * N + n;
-        *p = __ldcg(p) + s + e.bias[n] + (e.fold ? __ldcg(a) : 0.0f);
+        *p = first && e.pre_ok ? s + e.pre : __ldcg(p) + s + e.bias[n] + (e.fold ? __ldcg(a) : 0.0f);
         *a = 0.0f;                              // ready for this layer's MLP (which waits for this stage)
     } else if (EPI == EPI_GELU) {
         e.out[b * MK_HCAP + n - e.row0] = gelu_tanh(s + e.bias[n]);
@@ -387,7 +389,7 @@ __device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __rest
                 float s = 0.0f;
 #pragma unroll 4
                 for (int j = 0; j < G::WPRG; ++j) s += pb[((red_slot * G::WPRG + j) * R + red_r) * NB + red_b];
-                epilogue<EPI, N>(v, red_b, s, e);
+                epilogue<EPI, N>(v, red_b, s, e, base == rg0);
                 if (EPI == EPI_LOGITS && (s > best_v || (s == best_v && v < best_n))) { best_v = s; best_n = v; }
             }
         }
@@ -398,14 +400,34 @@ __device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __rest
     }
 }
 
+// v2: what the projection's epilogue adds to its sum for this thread's first-wave output (x + bias, + acc
+// after layer 0), read before the stage waits, so no dependent load is left after the attention arrives.
+// Safe to read early: x's rows here are written only by this block's own projections (at layer 0 x is the
+// embedding, made here from the inputs), and acc was complete when this block's QKV stage began.
+__device__ __forceinline__ float resid_preload(const float* x, const float* acc, const float* __restrict__ bias,
+                                               int layer, const float* __restrict__ wte,
+                                               const float* __restrict__ wpe, const int* stok, const int* spos) {
+    int rg0, rg1;
+    tile_range<C>(rg0, rg1);
+    const int red_slot = threadIdx.x / (R * NB), red_r = (threadIdx.x / NB) % R, b = threadIdx.x % NB;
+    const int v = (rg0 + red_slot) * R + red_r;
+    if (red_slot >= Geo<C>::RGPW || rg0 + red_slot >= rg1 || v >= C) return 0.0f;
+    const float r = layer == 0 ? __ldg(wte + (long long)stok[b] * C + v) + __ldg(wpe + (long long)spos[b] * C + v)
+                               : __ldcg(x + b * C + v) + __ldcg(acc + b * C + v);
+    return r + bias[v];
+}
+
 // ------------------------------------------------------------------------------------------ prologues
 // Inlined, ln_rows and mlp_down leave the kernel a few registers past its 168 on sm_70/75 (NVRTC 12.9), so
 // there they are calls. Elsewhere they stay inline: a call must wait for every load in flight, and the
 // LayerNorm runs while the first wave's weight loads are in flight (on the H100 a call costs about 10%).
+// For the same register budget, v2's early read of the projection's residual (resid_preload) is sm_80+ only.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MK_OUTLINE __noinline__
+#define MK_PRE_RESID 0
 #else
 #define MK_OUTLINE
+#define MK_PRE_RESID (MK_VERSION == 2)      // resid_preload: one more register across the wait
 #endif
 // xs (NB x C) = LayerNorm(x (+ add, when not null)) rows, a warp per row (the row stays in registers: one
 // round trip). With `embed`, x is first made from the token and position embeddings, and block 0 stores it
@@ -844,7 +866,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             ln_rows(wk.x, layer > 0 ? wk.acc : nullptr, (const float*)P[LW_LN1W], (const float*)P[LW_LN1B], xs,
                     layer == 0, wte, wpe, stok, spos, wk.x);
             {
-                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr, nullptr, 0, 0};
+                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr, nullptr, 0, 0, false, 0.0f};
                 int rg0, rg1;
                 tile_range<3 * C>(rg0, rg1);
                 gemv_tile<C, 3 * C, EPI_QKV>(w, MK_VERSION == 2, Wattn, xs, part, e, rg0, rg1);
@@ -899,6 +921,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             // ================= PROJ: x += att W^T + b (+ the last layer's MLP sums, acc, which it zeroes)
             ++sidx;
             stamp(ctl, sidx, 0);
+            float pre = 0.0f;
 #if MK_VERSION == 1
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_PROJ, layer, step})) return;
 #else
@@ -907,6 +930,8 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 tile_range<4 * C>(rg0, rg1);
                 prefetch_rows<C, 4 * C, EPI_GELU>(WmprojT, rg0 * R, rg1 * R);
             }
+            gemv_preload<C, C, EPI_RESID>(w, Wproj);      // its rows are in L2 (two stages ahead): into registers
+            if (MK_PRE_RESID) pre = resid_preload(wk.x, wk.acc, (const float*)P[LW_PROJB], layer, wte, wpe, stok, spos);
             if (!block_wait(sync + S_ATT_DONE, (gl + 1) * NB * NH * (proj_merges(nch) ? nch : 1), ctl,
                             Where{ST_PROJ, layer, step})) return;
 #endif
@@ -914,10 +939,11 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             if (proj_merges(nch)) merge_rows(wk.partial, xs, nch);
             else copy_rows(wk.att, xs, NB * C / 4);
             {
-                const Epi e{(const float*)P[LW_PROJB], wk.x, nullptr, nullptr, spos, L, nullptr, wk.acc, layer > 0, 0};
+                const Epi e{(const float*)P[LW_PROJB], wk.x, nullptr, nullptr, spos, L, nullptr, wk.acc, layer > 0, 0,
+                            MK_PRE_RESID, pre};
                 int rg0, rg1;
                 tile_range<C>(rg0, rg1);
-                gemv_tile<C, C, EPI_RESID>(w, false, Wproj, xs, part, e, rg0, rg1);   // its rows are in L2 by now (v2)
+                gemv_tile<C, C, EPI_RESID>(w, MK_VERSION == 2, Wproj, xs, part, e, rg0, rg1);
             }
 #if MK_VERSION == 2
             block_signal(sync + S_X_DONE, 1, ctl);
@@ -946,7 +972,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 tile_range<4 * C>(rg0, rg1);
                 for (int c0 = rg0; c0 < rg1; c0 += MK_HCAP / R) {         // one pass unless the grid is small
                     const int c1 = min(rg1, c0 + MK_HCAP / R);
-                    const Epi e{(const float*)P[LW_FCB], hs, nullptr, nullptr, spos, L, nullptr, nullptr, 0, c0 * R};
+                    const Epi e{(const float*)P[LW_FCB], hs, nullptr, nullptr, spos, L, nullptr, nullptr, 0, c0 * R, false, 0.0f};
                     if (c0 == rg0) {
                         gemv_tile<C, 4 * C, EPI_GELU>(w, MK_VERSION == 2, Wfc, xs, part, e, c0, c1);
                     } else {                                        // w is dead from here: no registers held
@@ -978,7 +1004,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         stamp(ctl, sidx, 1);
         ln_rows(wk.x, wk.acc, lnf_w, lnf_b, xs, false, wte, wpe, stok, spos, wk.x);
         {
-            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr, 0, 0};
+            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr, 0, 0, false, 0.0f};
             int rg0, rg1;
             tile_range<VOCAB>(rg0, rg1);
             gemv_tile<C, VOCAB, EPI_LOGITS>(w, MK_VERSION == 2, wte, xs, part, e, rg0, rg1);
