@@ -28,11 +28,13 @@
 //   v1  a grid-wide barrier before every stage (an atomic counter + a bounded spin), 4 per layer: simple,
 //       but after each barrier every block starts its loads from scratch: the DRAM idles for the barrier
 //       and for one round trip per stage.
-//   v2  no barriers. Each stage announces its progress on counters in global memory (release: fence +
-//       atomicAdd; acquire: ld.acquire + fence), and a consumer waits only for what it reads: attention on
-//       head h waits for head h's q/k/v rows only. Before waiting, a block issues the register loads of its
-//       first weight tile and asks L2 to prefetch the next stage's weights (prefetch.global.L2), so the DRAM
-//       keeps streaming weights while blocks wait, normalise or do attention.
+//   v2  no barriers. Each stage announces its progress on counters in global memory, and a consumer waits
+//       only for what it reads: attention on head h waits for head h's q/k/v rows only. Release: a block
+//       (or warp) barrier, then one thread's red.release; acquire: one thread's ld.acquire, then a barrier.
+//       No full fence (__threadfence) on either side: each hop between blocks would wait for one. Before
+//       waiting, a block issues the register loads of its first weight tile and asks L2 to prefetch the
+//       next stage's weights (prefetch.global.L2), so the DRAM keeps streaming weights while blocks wait,
+//       normalise or do attention.
 //
 // Both versions can run several greedy decode steps in one launch (nsteps): the chosen token feeds the next
 // step on the device. Nothing here can hang: every wait is bounded by %globaltimer (timeout_ns); on a
@@ -144,6 +146,12 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     return v;
 }
 __device__ __forceinline__ int ld_volatile(const int* p) { return *(const volatile int*)p; }
+// Release: this thread's earlier writes, and those of the threads it has met at a barrier (bar.sync,
+// bar.warp.sync), are visible to whoever acquires the counter after this add. Lighter than __threadfence()
+// (fence.sc) + atomicAdd.
+__device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
@@ -161,11 +169,12 @@ struct Ctl {
 };
 
 // One thread waits until *ctr >= target (wrap-safe). False when this wait timed out (it records where) or
-// another block already reported an error: the caller then leaves.
+// another block already reported an error: the caller then leaves. The acquire orders this thread's later
+// loads after the producers' writes; the caller passes that on to its other threads through a barrier.
 __device__ bool wait_geq(const unsigned* ctr, unsigned target, const Ctl& ctl, Where w) {
     const unsigned long long t0 = globaltimer();
     for (unsigned it = 0;; ++it) {
-        if ((int)(ld_acquire(ctr) - target) >= 0) { __threadfence(); return true; }
+        if ((int)(ld_acquire(ctr) - target) >= 0) return true;
         if ((it & 15) == 15) {
             if (ld_volatile(ctl.err) != 0) return false;
             if ((long long)(globaltimer() - t0) > ctl.timeout_ns) {
@@ -189,7 +198,7 @@ __device__ __forceinline__ bool block_wait(const unsigned* ctr, unsigned target,
 // Release: everything this block wrote before is visible to whoever sees the counter move.
 __device__ __forceinline__ void block_signal(unsigned* ctr, unsigned add, const Ctl& ctl) {
     __syncthreads();
-    if (threadIdx.x == 0 && (int)blockIdx.x != ctl.stall_block && add) { __threadfence(); atomicAdd(ctr, add); }
+    if (threadIdx.x == 0 && (int)blockIdx.x != ctl.stall_block && add) red_release(ctr, add);
 }
 
 // v1: every block arrives, then waits for all gridDim.x arrivals; bar is the counter's value before it.
@@ -715,7 +724,7 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
     __syncwarp();
     if (proj_merges(nch)) {                                     // the projection merges the chunks as it reads them
 #if MK_VERSION == 2
-        if (lane == 0 && (int)blockIdx.x != ctl.stall_block) { __threadfence(); atomicAdd(ctl.sync + S_ATT_DONE, 1u); }
+        if (lane == 0 && (int)blockIdx.x != ctl.stall_block) red_release(ctl.sync + S_ATT_DONE, 1u);
 #endif
         return;
     }
@@ -727,6 +736,7 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
         if (last) __threadfence();
     }
     last = __shfl_sync(FULL_MASK, last, 0);
+    __syncwarp();                                               // lane 0's fenced arrival, passed on to the warp
     if (!last) return;
     // merge the nch chunks of (b, h): softmax-weighted by exp(m_c - M)
     const float* P0 = partial + (long long)(b * NH + h) * nch * (HD + 2);
@@ -749,7 +759,7 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
     for (int j = 0; j < OPL; ++j) att[b * C + h * HD + lane + 32 * j] = acc[j] / Ls;
 #if MK_VERSION == 2
     __syncwarp();
-    if (lane == 0 && (int)blockIdx.x != ctl.stall_block) { __threadfence(); atomicAdd(ctl.sync + S_ATT_DONE, 1u); }
+    if (lane == 0 && (int)blockIdx.x != ctl.stall_block) red_release(ctl.sync + S_ATT_DONE, 1u);
 #endif
 }
 
@@ -878,10 +888,9 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 const int v0 = rg0 * R, v1 = min(rg1 * R, 3 * C);
                 __syncthreads();
                 if (threadIdx.x == 0 && (int)blockIdx.x != stall_block && v1 > v0) {
-                    __threadfence();
                     for (int hh = v0 / (3 * HD); hh <= (v1 - 1) / (3 * HD); ++hh) {
                         const int a = max(v0, hh * 3 * HD), z = min(v1, (hh + 1) * 3 * HD);
-                        atomicAdd(sync + S_HEAD0 + hh, (unsigned)(z - a));
+                        red_release(sync + S_HEAD0 + hh, (unsigned)(z - a));
                     }
                 }
             }
@@ -905,6 +914,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 int ok = 1;
                 if (lane == 0) ok = wait_geq(sync + S_HEAD0 + hh, (gl + 1) * 3 * HD, ctl, Where{ST_ATT, layer, step});
                 ok = __shfl_sync(FULL_MASK, ok, 0);
+                __syncwarp();                           // lane 0's acquire, passed on to the warp
                 if (!ok) { s_abort = 1; break; }
                 if (!stamped) { stamp(ctl, sidx, 1); stamped = true; }
 #endif
