@@ -9,9 +9,11 @@ step in PyTorch eager and torch.compile (same batch, same GPU, same run); where 
 batches and reports the validation loss and wall time of each (the notebook and the docs call it).
 
     python -m step4_gpt2.benchmarks_train            # or: python -m common.benchmarks --only step4_gpt2:train
+    python -m step4_gpt2.benchmarks_train --tf32     # the step rows with TF32 GEMMs on both sides
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -60,6 +62,43 @@ def loop_wall_s(step, batches, warmup: int = 3) -> float:
     return (time.perf_counter() - t0) / (len(batches) - warmup)
 
 
+@contextlib.contextmanager
+def tf32_matmuls():
+    """Inside: float32 matrix products on TF32 tensor cores on both sides, CuPy's cuBLAS calls and torch's (the
+    same precision for both); restored on exit. CuPy's only public switch is the CUPY_TF32 environment variable,
+    read when it is imported; this calls the setter behind it."""
+    import cupy as cp
+    from cupy import _core
+    from cupy._core import _routines_linalg as linalg
+    torch = torch_cuda()
+    old = _core.get_compute_type(cp.float32)
+    old_torch = torch.backends.cuda.matmul.allow_tf32 if torch is not None else None
+    _core.set_compute_type(cp.float32, linalg.COMPUTE_TYPE_TF32)
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        _core.set_compute_type(cp.float32, old)
+        if torch is not None:
+            torch.backends.cuda.matmul.allow_tf32 = old_torch
+
+
+def queue_s(step, batches) -> float:
+    """Seconds of host (Python) time to queue one step, the GPU idle at the start: when it exceeds the step's
+    GPU time, the training loop is host-bound and a faster GPU does not make it faster."""
+    import cupy as cp
+    for x, y in batches[:2]:
+        step(x, y)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for x, y in batches[2:]:
+        step(x, y)
+    t = (time.perf_counter() - t0) / (len(batches) - 2)
+    cp.cuda.Device().synchronize()
+    return t
+
+
 def ours_step(config=None, tc=None):
     """(trainer, step(x, y)) for our model; x, y NumPy batches copied to the GPU inside the step."""
     import cupy as cp
@@ -89,15 +128,24 @@ def torch_step(config=None, tc=None, compiled: bool = False, params=None):
     return model, step
 
 
-def train_throughput_rows(compile_torch: bool = True, steps: int = 20, vocab_size: int = V) -> list[Row]:
+def train_throughput_rows(compile_torch: bool = True, steps: int = 20, vocab_size: int = V,
+                          tf32: bool = False) -> list[Row]:
     """Our training step against PyTorch eager (and torch.compile) on the same batches: the shakespeare_char
-    model with a vocabulary of vocab_size tokens (65 characters by default; the notebook passes its own)."""
+    model with a vocabulary of vocab_size tokens (65 characters by default; the notebook passes its own).
+    tf32: every float32 GEMM on TF32 tensor cores, on both sides (rows marked TF32); else plain fp32."""
+    if tf32:
+        with tf32_matmuls():
+            rows = train_throughput_rows(compile_torch, steps, vocab_size)
+        for r in rows:
+            r.name = r.name.replace("train step", "train step TF32")
+        return rows
     batches = random_batches(steps + 3)
     tokens = B * T
     config = _config(vocab_size)
     _, ours = ours_step(config)
     t_ours = loop_wall_s(ours, batches)
-    rows = [Row("train step, ours (tok/s)", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s")]
+    rows = [Row("train step, ours (tok/s)", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s"),
+            Row("train step, ours: host time to queue it", SIZE, queue_s(ours, batches[:7]) * 1e3)]
     anchors = [("torch eager", False)] + ([("torch.compile", True)] if compile_torch else [])
     for label, compiled in anchors:
         _, step = torch_step(config, compiled=compiled)
@@ -379,8 +427,12 @@ if __name__ == "__main__":
                                                     "written to DIR/report.md and DIR/report.json")
     ap.add_argument("--quality-steps", type=int, default=600)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchor (it compiles for a minute)")
+    ap.add_argument("--tf32", action="store_true", help="only the training-step rows, with TF32 GEMMs on both sides")
     args = ap.parse_args()
-    if args.report:
+    if args.tf32:
+        from common.benchmarks import table
+        print(table(train_throughput_rows(compile_torch=not args.no_compile, tf32=True)))
+    elif args.report:
         print(report(args.report, args.quality_steps, not args.no_compile))
     else:
         from common.benchmarks import table

@@ -483,3 +483,32 @@ def test_fit_improves_and_generates():
     assert hist.val[-1] < 0.5 * math.log(8) and hist.tokens == 60 * 8 * 32 and hist.tokens_per_s > 0
     text = TR.generate(tr.model, tok, "abc", max_new_tokens=10, temperature=0)
     assert text == "abcdefghabcde"
+
+
+@gpu
+def test_tf32_matmuls_switches_both_sides_and_restores():
+    """benchmarks_train --tf32: inside, CuPy's and torch's float32 GEMMs round their inputs to TF32 (errors near
+    1e-3, not 1e-6); outside, both are plain fp32 again."""
+    import cupy as cp
+    import common
+    from step4_gpt2 import benchmarks_train as BT
+    if common.device_info()["sm"] < 80:
+        pytest.skip("TF32 tensor cores need sm_80 or newer: this GPU computes float32 GEMMs in fp32 either way")
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((257, 301)), rng.standard_normal((301, 263))
+    ref = a @ b
+    torch = common.torch_cuda()
+
+    def errors():
+        e = {"cupy": max_rel_error(cp.asnumpy(cp.asarray(a, cp.float32) @ cp.asarray(b, cp.float32)), ref)}
+        if torch is not None:
+            ta, tb = (torch.as_tensor(m, dtype=torch.float32, device="cuda") for m in (a, b))
+            e["torch"] = max_rel_error((ta @ tb).double().cpu().numpy(), ref)
+        return e
+    before = errors()
+    with BT.tf32_matmuls():
+        inside = errors()
+    after = errors()
+    for side in before:
+        assert before[side] < 1e-5 and after[side] < 1e-5, (side, before, after)
+        assert inside[side] > 1e-4, f"{side}: TF32 was not used inside tf32_matmuls(): {inside}"
