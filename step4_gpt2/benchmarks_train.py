@@ -85,8 +85,9 @@ def tf32_matmuls():
 
 
 def queue_s(step, batches) -> float:
-    """Seconds of host (Python) time to queue one step, the GPU idle at the start: when it exceeds the step's
-    GPU time, the training loop is host-bound and a faster GPU does not make it faster."""
+    """Seconds of host time to queue one step, the GPU idle at the start (anything in the step that waits for
+    the GPU counts too): when it exceeds the step's GPU time, the training loop is host-bound and a faster GPU
+    does not make it faster."""
     import cupy as cp
     for x, y in batches[:2]:
         step(x, y)

@@ -31,7 +31,8 @@
 //   v2  no barriers. Each stage announces its progress on counters in global memory, and a consumer waits
 //       only for what it reads: attention on head h waits for head h's q/k/v rows only. Release: a block
 //       (or warp) barrier, then one thread's red.release; acquire: one thread's ld.acquire, then a barrier.
-//       No full fence (__threadfence) on either side: each hop between blocks would wait for one. Before
+//       No full fence (__threadfence) on either side: each hop between blocks would wait for one (only the
+//       LM head's last block and the attention's last unit per head keep a fenced atomic). Before
 //       waiting, a block issues the register loads of its first weight tile and asks L2 to prefetch the
 //       next stage's weights (prefetch.global.L2), so the DRAM keeps streaming weights while blocks wait,
 //       normalise or do attention.

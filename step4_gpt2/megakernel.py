@@ -40,8 +40,9 @@ KERNEL = "megakernel_decode"
 MAX_BATCH = 8            # the kernel keeps a (rows x batch) accumulator per lane in registers
 THREADS = 384            # 12 warps per block (155-168 registers per thread by batch and version at sm_90; 512: 128, slower)
 ROWS = 2                 # output rows per warp item (rows(): ROWS_B1 where that fits)
-ROWS_B1 = 4              # batch 1, sm_80+, n_embd <= 768: one wave of 4-row items covers a block's QKV and c_fc
-                         # rows (124M on 132 SMs), one round trip fewer per stage; elsewhere they would spill
+ROWS_B1 = 4              # batch 1, sm_80+, n_embd <= 768, default threads and unroll: one wave of 4-row items
+                         # covers a block's QKV and c_fc rows (124M on 132 SMs), one round trip fewer per stage;
+                         # elsewhere (other knobs included) they would spill or are untested
 UNROLL = 3               # float4 columns per lane per row in one item: 96 float4 = 384 floats per segment
 PF_WAVES = 2             # v2: waves of weight rows asked from L2 ahead of use
 ATT_MAXCL = 256          # most cache positions one attention unit (one warp) handles
@@ -75,9 +76,11 @@ def unsupported_reason(config, batch: int) -> str | None:
     return None
 
 
-def rows(config, batch: int, sm: int | None = None) -> int:
-    """Output rows per warp item for a config and batch on a GPU of compute capability `sm` (None: any)."""
-    return ROWS_B1 if batch == 1 and sm is not None and sm >= 80 and config.n_embd <= 768 else ROWS
+def rows(config, batch: int, sm: int | None = None, threads: int = THREADS, unroll: int = UNROLL) -> int:
+    """Output rows per warp item for a config, batch and knobs on a GPU of compute capability `sm` (None: any)."""
+    fits = batch == 1 and sm is not None and sm >= 80 and config.n_embd <= 768 and threads == THREADS \
+        and unroll == UNROLL
+    return ROWS_B1 if fits else ROWS
 
 
 def defines(config, batch: int, version: int = 2, timeline: bool = False, threads: int = THREADS,
@@ -85,7 +88,8 @@ def defines(config, batch: int, version: int = 2, timeline: bool = False, thread
     """The compile-time constants of megakernel.cu for a model config and batch, on a GPU of compute
     capability `sm` (None: the portable choices)."""
     return {"NB": int(batch), "C": config.n_embd, "NH": config.n_head, "NL": config.n_layer,
-            "VOCAB": config.vocab_size, "MK_THREADS": threads, "MK_ROWS": rows(config, batch, sm), "MK_UNROLL": unroll,
+            "VOCAB": config.vocab_size, "MK_THREADS": threads, "MK_ROWS": rows(config, batch, sm, threads, unroll),
+            "MK_UNROLL": unroll,
             "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL, "MK_MERGE_MAX": MERGE_MAX,
             "MK_HCAP": HCAP,
             "MK_EPS": f"{float(config.eps)!r}f", "MK_TIMELINE": int(bool(timeline)),
@@ -107,10 +111,10 @@ def _mlp_groups(config, threads: int) -> int:
     return 1 if c4 > threads else threads // c4
 
 
-def smem_bytes(config, batch: int, threads: int = THREADS, sm: int | None = None) -> int:
+def smem_bytes(config, batch: int, threads: int = THREADS, sm: int | None = None, unroll: int = UNROLL) -> int:
     """Dynamic shared memory per block: the stage input (batch x C), the MLP's cross-group sums and its h
     rows, the cross-warp partial sums, and each warp's q row and attention probabilities."""
-    warps, C, r = threads // 32, config.n_embd, rows(config, batch, sm)
+    warps, C, r = threads // 32, config.n_embd, rows(config, batch, sm, threads, unroll)
     return 4 * (batch * C * (1 + _mlp_groups(config, threads)) + batch * HCAP + 2 * warps * r * batch
                 + warps * config.head_dim + warps * ATT_MAXCL)
 
@@ -122,7 +126,7 @@ def _fit(config, batch: int, version: int = 2, timeline: bool = False, threads: 
     one block fits on an SM (every block must be resident at once). The constructor and mode="auto" ask this."""
     sm = device_info()["sm"]
     fn = get_kernel(SOURCE, KERNEL, defines(config, batch, version, timeline, threads, unroll, sm))
-    smem = smem_bytes(config, batch, threads, sm)
+    smem = smem_bytes(config, batch, threads, sm, unroll)
     try:
         allow_dynamic_smem(fn, smem, f"batch={batch}: the megakernel's stage inputs")
     except ValueError as e:

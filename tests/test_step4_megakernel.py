@@ -38,6 +38,17 @@ def test_compiles_for_every_arch_without_spills(arch, cfg, batch, version):
         assert M.KERNEL in compile_offline(M.SOURCE, arch, M.defines(cfg, batch, version, timeline=True, sm=arch)).kernels
 
 
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a >= 80])
+@pytest.mark.parametrize("threads,unroll", [(256, 3), (384, 1), (384, 2), (384, 4)])
+def test_batch_1_knob_builds_compile_without_spills(arch, threads, unroll):
+    """The benchmark's knobs at batch 1 (rows() keeps 2 rows per item for them; 4 only for the defaults)."""
+    if arch not in supported_archs():
+        pytest.skip(f"the installed NVRTC cannot target sm_{arch}")
+    r = compile_offline(M.SOURCE, arch, M.defines(G124, 1, 2, threads=threads, unroll=unroll, sm=arch))
+    k = r.kernels[M.KERNEL]
+    assert (k.spill_stores, k.spill_loads) == (0, 0), r.table()
+
+
 def test_unsupported_shapes_are_named():
     assert M.unsupported_reason(G124, 1) is None and M.unsupported_reason(TINY, 8) is None
     assert "batch" in M.unsupported_reason(G124, 9) and "batch" in M.unsupported_reason(G124, 0)
