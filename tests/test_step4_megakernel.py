@@ -24,16 +24,20 @@ LENS = [8, 3, 12, 5, 1, 9, 7, 2]          # prompt lengths of a batch of 8 (batc
 
 
 # ============================================================================ CPU
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg,batch,version", [(G124, 1, 2), (G124, 1, 1), (G124, 8, 1), (G124, 8, 2), (SMALL4, 2, 2),
-                                               (TINY, 3, 1), (TINY, 1, 2)])
-def test_compiles_for_every_arch_without_spills(arch, cfg, batch, version):
+def _compiles_without_spills(arch, defines):
     if arch not in supported_archs():
         pytest.skip(f"the installed NVRTC cannot target sm_{arch}; CI checks it with NVRTC 12.9")
-    r = compile_offline(M.SOURCE, arch, M.defines(cfg, batch, version, sm=arch))     # as _fit builds it there
+    r = compile_offline(M.SOURCE, arch, defines)
     k = r.kernels[M.KERNEL]
     assert not r.warnings, r.warnings
     assert (k.spill_stores, k.spill_loads) == (0, 0), r.table()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg,batch,version", [(G124, 1, 2), (G124, 1, 1), (G124, 8, 1), (G124, 8, 2),
+                                               (SMALL4, 2, 2), (TINY, 3, 1), (TINY, 1, 2)])
+def test_compiles_for_every_arch_without_spills(arch, cfg, batch, version):
+    _compiles_without_spills(arch, M.defines(cfg, batch, version, sm=arch))     # as _fit builds it there
     if arch == 90:      # the timeline build too
         assert M.KERNEL in compile_offline(M.SOURCE, arch, M.defines(cfg, batch, version, timeline=True, sm=arch)).kernels
 
@@ -42,11 +46,7 @@ def test_compiles_for_every_arch_without_spills(arch, cfg, batch, version):
 @pytest.mark.parametrize("threads,unroll", [(256, 3), (384, 1), (384, 2), (384, 4)])
 def test_batch_1_knob_builds_compile_without_spills(arch, threads, unroll):
     """The benchmark's knobs at batch 1 (rows() keeps 2 rows per item for them; 4 only for the defaults)."""
-    if arch not in supported_archs():
-        pytest.skip(f"the installed NVRTC cannot target sm_{arch}")
-    r = compile_offline(M.SOURCE, arch, M.defines(G124, 1, 2, threads=threads, unroll=unroll, sm=arch))
-    k = r.kernels[M.KERNEL]
-    assert (k.spill_stores, k.spill_loads) == (0, 0), r.table()
+    _compiles_without_spills(arch, M.defines(G124, 1, 2, threads=threads, unroll=unroll, sm=arch))
 
 
 def test_unsupported_shapes_are_named():
