@@ -71,7 +71,14 @@ extern "C" __global__ void sgd_multi(const unsigned long long* __restrict__ ptrs
 extern "C" __global__ void adamw_multi(const unsigned long long* __restrict__ ptrs, const long long* __restrict__ sizes,
                                        const float* __restrict__ wds, const int* __restrict__ first_block,
                                        int n_tensors, float lr, float b1, float b2, float omb1, float omb2, float eps,
-                                       float bc1, float bc2) {
+                                       float bc1, float bc2, const float* __restrict__ sched) {
+    // sched, when given, is (lr, bc1, bc2) in device memory and replaces the three arguments: a CUDA graph
+    // replays the arguments it captured, so what changes from step to step must live on the GPU (step 4b).
+    if (sched != nullptr) {
+        lr = sched[0];
+        bc1 = sched[1];
+        bc2 = sched[2];
+    }
     const int t = find_tensor(first_block, n_tensors);
     float* p = reinterpret_cast<float*>(ptrs[4 * t]);
     const float* g = reinterpret_cast<const float*>(ptrs[4 * t + 1]);

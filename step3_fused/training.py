@@ -336,8 +336,14 @@ class AdamW(_Optimizer):
     def _arrays(self, k, grads: dict) -> list:
         return [self.params[k], grads[k], self.m[k], self.v[k]]
 
-    def step(self, grads: dict, multi: bool = True):
+    def step(self, grads: dict, multi: bool = True, sched=None):
+        """sched (multi only): a float32 CuPy array (lr, bc1, bc2) that the kernel reads instead of self.lr and
+        the bias corrections of self.t (a CUDA graph of the step must read them from the GPU)."""
         names = self._names(grads)
+        if sched is not None:
+            if not multi:
+                raise ValueError("sched: only the one-launch kernel (multi=True) reads its values from the GPU")
+            expect_array(sched, "sched", dtype=np.float32, shape=(3,))
         self.t += 1
         b1, b2 = self.betas
         bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
@@ -353,7 +359,7 @@ class AdamW(_Optimizer):
         tab = self._table(grads, names)
         get_kernel(UPD, "adamw_multi", UPD_DEFINES)(
             (tab.blocks,), (BLOCK,), (tab.ptrs, tab.sizes, tab.wds, tab.first, np.int32(tab.n), *hyper,
-                                      np.float32(bc1), np.float32(bc2)))
+                                      np.float32(bc1), np.float32(bc2), np.uint64(0) if sched is None else sched))
 
 
 # ---------------------------------------------------------------------------- the model

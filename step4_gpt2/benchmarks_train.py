@@ -100,11 +100,12 @@ def queue_s(step, batches) -> float:
     return t
 
 
-def ours_step(config=None, tc=None):
-    """(trainer, step(x, y)) for our model; x, y NumPy batches copied to the GPU inside the step."""
+def ours_step(config=None, tc=None, graph: bool = False):
+    """(trainer, step(x, y)) for our model; x, y NumPy batches copied to the GPU inside the step. graph=True:
+    the step replayed as one CUDA graph (Trainer(graph=True))."""
     import cupy as cp
     from step4_gpt2.train import Trainer, TrainConfig, TrainGPT
-    trainer = Trainer(TrainGPT(config or _config(), seed=0), tc or TrainConfig(batch_size=B))
+    trainer = Trainer(TrainGPT(config or _config(), seed=0), tc or TrainConfig(batch_size=B), graph=graph)
     return trainer, lambda x, y: trainer.step(cp.asarray(x), cp.asarray(y), check=False)
 
 
@@ -143,10 +144,12 @@ def train_throughput_rows(compile_torch: bool = True, steps: int = 20, vocab_siz
     batches = random_batches(steps + 3)
     tokens = B * T
     config = _config(vocab_size)
-    _, ours = ours_step(config)
-    t_ours = loop_wall_s(ours, batches)
-    rows = [Row("train step, ours (tok/s)", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s"),
-            Row("train step, ours: host time to queue it", SIZE, queue_s(ours, batches[:7]) * 1e3)]
+    rows, t_ours = [], {}
+    for graph, label in ((False, "ours"), (True, "ours, CUDA graph")):
+        _, ours = ours_step(config, graph=graph)
+        t_ours[graph] = loop_wall_s(ours, batches)
+        rows += [Row(f"train step, {label} (tok/s)", SIZE, t_ours[graph] * 1e3, rate=tokens / t_ours[graph], unit="tok/s"),
+                 Row(f"train step, {label}: host time to queue it", SIZE, queue_s(ours, batches[:7]) * 1e3)]
     anchors = [("torch eager", False)] + ([("torch.compile", True)] if compile_torch else [])
     for label, compiled in anchors:
         _, step = torch_step(config, compiled=compiled)
@@ -155,9 +158,10 @@ def train_throughput_rows(compile_torch: bool = True, steps: int = 20, vocab_siz
             break
         t = loop_wall_s(step, batches, warmup=3)
         rows.append(Row(f"train step, {label} (tok/s)", SIZE, t * 1e3, rate=tokens / t, unit="tok/s"))
-        r = Row(f"train step, ours vs {label}", SIZE, t_ours * 1e3, rate=tokens / t_ours, unit="tok/s",
-                anchor=label, ratio=t / t_ours)
-        rows.append(r.check("ratio", 1.5 if not compiled else 1.0))
+        for graph, name in ((False, "ours"), (True, "ours (graph)")):
+            r = Row(f"train step, {name} vs {label}", SIZE, t_ours[graph] * 1e3, rate=tokens / t_ours[graph],
+                    unit="tok/s", anchor=label, ratio=t / t_ours[graph])
+            rows.append(r.check("ratio", 1.5 if not compiled else 1.0))
     return rows
 
 
@@ -165,6 +169,7 @@ def train_breakdown_rows() -> list[Row]:
     """Where one step's GPU time goes: each kernel family timed alone on the step's own buffers, as many
     calls as one step makes, and its share of the whole step (CUDA events, median)."""
     import cupy as cp
+    from common.cublas import gemm
     from step4_gpt2 import train_ops as ops
     trainer, _ = ours_step()
     m = trainer.model
@@ -184,24 +189,24 @@ def train_breakdown_rows() -> list[Row]:
         dq = a.dqkv.reshape(N, 3 * C)
         for i in range(L):
             if forward:
-                cp.matmul(a.ln1[i], p(i, "attn.c_attn.weight"), out=a.qkv[i])
-                cp.matmul(a.atty[i].reshape(N, C), p(i, "attn.c_proj.weight"), out=a.tmp)
-                cp.matmul(a.ln2[i], p(i, "mlp.c_fc.weight"), out=a.dh)
-                cp.matmul(a.h[i], p(i, "mlp.c_proj.weight"), out=a.tmp)
+                gemm(a.ln1[i], p(i, "attn.c_attn.weight"), a.qkv[i])
+                gemm(a.atty[i].reshape(N, C), p(i, "attn.c_proj.weight"), a.tmp)
+                gemm(a.ln2[i], p(i, "mlp.c_fc.weight"), a.dh)
+                gemm(a.h[i], p(i, "mlp.c_proj.weight"), a.tmp)
             if dx:
-                cp.matmul(a.dres, p(i, "mlp.c_proj.weight").T, out=a.dh)
-                cp.matmul(a.dh, p(i, "mlp.c_fc.weight").T, out=a.dln)
-                cp.matmul(a.dres, p(i, "attn.c_proj.weight").T, out=a.datty.reshape(N, C))
-                cp.matmul(dq, p(i, "attn.c_attn.weight").T, out=a.dln)
+                gemm(a.dres, p(i, "mlp.c_proj.weight").T, a.dh)
+                gemm(a.dh, p(i, "mlp.c_fc.weight").T, a.dln)
+                gemm(a.dres, p(i, "attn.c_proj.weight").T, a.datty.reshape(N, C))
+                gemm(dq, p(i, "attn.c_attn.weight").T, a.dln)
             if split is not None:
                 dw(a.h[i], a.dres, G[f"h.{i}.mlp.c_proj.weight"], split)
                 dw(a.ln2[i], a.dh, G[f"h.{i}.mlp.c_fc.weight"], split)
                 dw(a.atty[i].reshape(N, C), a.dres, G[f"h.{i}.attn.c_proj.weight"], split)
                 dw(a.ln1[i], dq, G[f"h.{i}.attn.c_attn.weight"], split)
         if forward:
-            cp.matmul(a.lnf, P["wte.weight"].T, out=a.logits)
+            gemm(a.lnf, P["wte.weight"].T, a.logits)
         if dx:
-            cp.matmul(a.logits, P["wte.weight"], out=a.dln)
+            gemm(a.logits, P["wte.weight"], a.dln)
         if split is not None:
             dw(a.logits, a.lnf, G["wte.weight"], split)
 

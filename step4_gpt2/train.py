@@ -12,19 +12,21 @@ fc GEMM, bias+GELU, proj GEMM, residual+LayerNorm) -> LM-head GEMM (tied to wte)
 the same backwards (train_gpt2.cu + cuBLAS), global grad-norm clipping, and one AdamW launch for all
 parameters (step 3's train_update.cu). Parameters and gradients each live in ONE flat buffer, so the norm
 and the clipping are single passes. Everything is deterministic: a run resumed from a checkpoint reproduces
-the uninterrupted run bit for bit.
+the uninterrupted run bit for bit. `Trainer(..., graph=True)` replays the whole step as one CUDA graph (the
+GEMMs go through common.cublas, which a capture can record; the learning rate is computed on the GPU).
 """
 from __future__ import annotations
 
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
 from common import expect_choice, require_gpu
+from common.cublas import gemm
 from common.reference.train_gpt2 import is_decayed, lr_at
 from step3_fused.training import History, check_ids
 from step4_gpt2 import train_ops as ops
@@ -191,7 +193,6 @@ class TrainGPT:
     def forward(self, idx, targets=None, grad: bool = True, check: bool = True):
         """With targets: the mean loss (a CuPy scalar, no sync); grad=True also leaves dlogits for backward().
         Without targets: the logits (B, T, V)."""
-        import cupy as cp
         if check:
             idx, targets = self.check_batch(idx, targets)
         cfg, P = self.config, self.params
@@ -202,19 +203,19 @@ class TrainGPT:
         x = ops.encoder_forward(idx, P["wte.weight"], P["wpe.weight"], out=a.resid[0])
         ops.layernorm_forward(x, p(0, "ln_1.weight"), p(0, "ln_1.bias"), cfg.eps, out=a.ln1[0], mean=a.m1[0], rstd=a.r1[0])
         for i in range(L):
-            cp.matmul(a.ln1[i], p(i, "attn.c_attn.weight"), out=a.qkv[i])
+            gemm(a.ln1[i], p(i, "attn.c_attn.weight"), a.qkv[i])
             ops.attention_forward(a.qkv[i].reshape(B, T, 3 * C), p(i, "attn.c_attn.bias"), H, out=a.atty[i], lse=a.lse[i])
-            cp.matmul(a.atty[i].reshape(N, C), p(i, "attn.c_proj.weight"), out=a.tmp)
+            gemm(a.atty[i].reshape(N, C), p(i, "attn.c_proj.weight"), a.tmp)
             ops.layernorm_forward(a.resid[i], p(i, "ln_2.weight"), p(i, "ln_2.bias"), cfg.eps, y=a.tmp,
                                   ybias=p(i, "attn.c_proj.bias"), resid=a.resid2[i], out=a.ln2[i], mean=a.m2[i], rstd=a.r2[i])
-            cp.matmul(a.ln2[i], p(i, "mlp.c_fc.weight"), out=a.pre[i])
+            gemm(a.ln2[i], p(i, "mlp.c_fc.weight"), a.pre[i])
             ops.gelu_bias_forward(a.pre[i], p(i, "mlp.c_fc.bias"), out=a.h[i])
-            cp.matmul(a.h[i], p(i, "mlp.c_proj.weight"), out=a.tmp)
+            gemm(a.h[i], p(i, "mlp.c_proj.weight"), a.tmp)
             last = i + 1 == L
             w, b = (P["ln_f.weight"], P["ln_f.bias"]) if last else (p(i + 1, "ln_1.weight"), p(i + 1, "ln_1.bias"))
             ops.layernorm_forward(a.resid2[i], w, b, cfg.eps, y=a.tmp, ybias=p(i, "mlp.c_proj.bias"),
                                   resid=a.resid[i + 1], out=a.lnf if last else a.ln1[i + 1], mean=a.m1[i + 1], rstd=a.r1[i + 1])
-        cp.matmul(a.lnf, P["wte.weight"].T, out=a.logits)
+        gemm(a.lnf, P["wte.weight"].T, a.logits)
         if targets is None:
             return a.logits.reshape(B, T, cfg.vocab_size)
         losses = ops.classifier(a.logits, targets.reshape(N), losses=a.losses, grad=grad)
@@ -223,7 +224,6 @@ class TrainGPT:
 
     def backward(self):
         """Gradients of the last forward(grad=True) into self.grads (overwritten)."""
-        import cupy as cp
         a, cfg, P, G = self._a, self.config, self.params, self.grads
         if a is None:
             raise RuntimeError("backward: call forward(idx, targets, grad=True) first (once per backward)")
@@ -231,7 +231,7 @@ class TrainGPT:
         B, T, N, C, L, H = a.B, a.T, a.N, cfg.n_embd, cfg.n_layer, cfg.n_head
         p = lambda i, n: P[f"h.{i}.{n}"]  # noqa: E731
         g = lambda i, n: G[f"h.{i}.{n}"]  # noqa: E731
-        cp.matmul(a.logits, P["wte.weight"], out=a.dln)                 # a.logits now holds dlogits
+        gemm(a.logits, P["wte.weight"], a.dln)                          # a.logits now holds dlogits
         ops.weight_grad(a.logits, a.lnf, out=G["wte.weight"])            # the LM head's share of dwte
         ops.layernorm_backward(a.dln, a.resid[L], P["ln_f.weight"], a.m1[L], a.r1[L], dx=a.dres,
                                dweight=G["ln_f.weight"], dbias=G["ln_f.bias"])
@@ -261,6 +261,44 @@ class TrainGPT:
         loss = self.forward(idx, targets, grad=True, check=check)
         self.backward()
         return loss
+
+
+class _StepGraph:
+    """One training step recorded as a CUDA graph (common.capture_graph) and replayed for each later batch of
+    the same shape, on the caller's stream. No memory may be allocated while a stream is captured, and the
+    step allocates temporaries (partial sums, the loss, the norm): so the first call runs the step eagerly
+    on the graph's own stream with a memory pool of its own, which then holds every temporary the step needs,
+    and the capture takes the same buffers again from it. The pool stays with the graph and lends them to no
+    one else. The batch is copied into the graph's input buffers before each replay."""
+
+    def __init__(self, trainer: "Trainer", idx, targets, key):
+        import cupy as cp
+        from common import capture_graph
+        if trainer.model.attention_version != 2:
+            raise ValueError("graph=True: attention_version must be 2 (version 1's batched GEMMs go through "
+                             "cupy.matmul, which CuPy refuses inside a graph capture)")
+        self.key = key
+        # Made by the model, in its memory; held here too: the model may drop them for other shapes (it keeps
+        # two), and the graph writes to these very addresses.
+        self.acts = trainer.model._activations(*idx.shape)
+        self.idx, self.targets = idx.copy(), targets.copy()
+        self.pool, self.stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
+        caller = cp.cuda.get_current_stream()
+        self.stream.wait_event(caller.record())
+        with cp.cuda.using_allocator(self.pool.malloc):
+            with self.stream:
+                self.first_loss = trainer._step_body(self.idx, self.targets)
+            t_after = trainer.opt.t
+            self.graph = capture_graph(lambda: setattr(self, "loss", trainer._step_body(self.idx, self.targets)),
+                                       self.stream)
+        trainer.opt.t = t_after                            # recording ran Python, not a step
+        caller.wait_event(self.stream.record())
+
+    def replay(self, idx, targets):
+        self.idx[...] = idx
+        self.targets[...] = targets
+        self.graph.launch()                                # on the current stream, after the copies
+        return self.loss.copy()                            # the next replay overwrites self.loss
 
 
 # ============================================================================ optimiser, schedule, training
@@ -300,25 +338,65 @@ class TrainConfig:
 
 
 class Trainer:
-    """AdamW (step 3's one-launch multi-tensor kernel) + warm-up/cosine schedule + clipping around a TrainGPT."""
+    """AdamW (step 3's one-launch multi-tensor kernel) + warm-up/cosine schedule + clipping around a TrainGPT.
 
-    def __init__(self, model: TrainGPT, config: TrainConfig | None = None):
+    graph=True: the whole step (forward, backward, clipping, schedule, AdamW: several hundred launches) is
+    recorded once as a CUDA graph and replayed for every later step of the same batch shape: one launch per
+    step, so the host's Python no longer sets the pace. The same kernels and the same bits as graph=False."""
+
+    def __init__(self, model: TrainGPT, config: TrainConfig | None = None, graph: bool = False):
+        import cupy as cp
         from step3_fused.training import AdamW
-        self.model, self.config = model, config or TrainConfig()
+        self.model, self.config, self.graph = model, config or TrainConfig(), bool(graph)
         c = self.config
         decayed = [k for k in model.params if is_decayed(k)]
         self.opt = AdamW(model.params, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay,
                          decayed=decayed)
         self.step_count = 0
         self.last_norm = None
+        # The step counter and AdamW's t also live on the GPU, where the schedule kernel reads them.
+        self._counters, self._sched = cp.zeros(2, cp.int64), cp.zeros(3, cp.float32)
+        self._gpu_counters = (0, 0)        # what the host knows the GPU's counters hold
+        self._step_graph = None
+
+    def _sync_counters(self):
+        """The GPU's counters follow the host's: after a resume, or a step_count set by hand."""
+        if self._gpu_counters != (self.step_count, self.opt.t):
+            self._counters.set(np.array([self.step_count, self.opt.t], np.int64))
+            self._gpu_counters = (self.step_count, self.opt.t)
+
+    def _update(self):
+        """Everything after the backward pass; reads nothing from the host that changes from step to step."""
+        c = self.config
+        self.last_norm = ops.clip_grad_norm(self.model.gflat, c.grad_clip)
+        ops.adamw_schedule(self._counters, self._sched, c.lr, c.min_lr, c.warmup, c.max_steps, (c.beta1, c.beta2))
+        self.opt.step(self.model.grads, sched=self._sched)
+
+    def _step_body(self, idx, targets):
+        loss = self.model.loss_and_grads(idx, targets, check=False)
+        self._update()
+        return loss
 
     def step(self, idx, targets, check: bool = True):
         """One training step (forward, backward, clip, AdamW); the batch's loss before the update (CuPy scalar)."""
-        loss = self.model.loss_and_grads(idx, targets, check=check)
-        self.last_norm = ops.clip_grad_norm(self.model.gflat, self.config.grad_clip)
-        self.opt.lr = self.config.lr_at(self.step_count)
-        self.opt.step(self.model.grads)
+        if check:
+            idx, targets = self.model.check_batch(idx, targets)
+        self._sync_counters()
+        self.opt.lr = self.config.lr_at(self.step_count)          # the host's copy, for whoever prints it
+        if not self.graph:
+            loss = self._step_body(idx, targets)                  # AdamW counts opt.t itself
+        else:
+            key = (tuple(idx.shape), tuple(targets.shape), self.model.attention_version,
+                   self.model.embedding_version, astuple(self.config))
+            if self._step_graph is None or self._step_graph.key != key:
+                self._step_graph = None                           # its buffers go back before new ones are made
+                self._step_graph = _StepGraph(self, idx, targets, key)    # runs this step, records the next
+                loss = self._step_graph.first_loss
+            else:
+                loss = self._step_graph.replay(idx, targets)
+                self.opt.t += 1
         self.step_count += 1
+        self._gpu_counters = (self.step_count, self.opt.t)
         return loss
 
     def evaluate(self, data: Data, split: str = "val", batches: int | None = None, T: int | None = None) -> float:

@@ -30,6 +30,8 @@
 //                           owns 64 queries, walks the keys). No atomics: each output has one owner. Two
 //                           threads per row (each half of the head dims: half the registers, one shuffle
 //                           per dot product), tiles in shared memory, exponentials in the exp2 domain.
+//   adamw_schedule          one thread: the step's learning rate and AdamW's bias corrections, computed on the
+//                           GPU from step counters that live there, so a CUDA graph of the step can replay it.
 //
 // Compile-time knobs: HEAD_DIM (32 or 64, default 64). The launch shapes come from train_ops.py as defines
 // (no defaults, so Python and the kernels agree by construction): ATT_ROWS (query or key rows per attention
@@ -442,4 +444,26 @@ extern "C" __global__ void attention_dscores(const float* __restrict__ p, float*
                                              int T, long long n, float scale) {
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x)
         dp[e] = p[e] * (dp[e] - delta[e / T]) * scale;
+}
+
+// ------------------------------------------------------------------------------------------- optimiser schedule
+// One thread: the learning rate of step counters[0] (linear warm-up, then cosine decay to min_lr at max_steps:
+// common/reference/train_gpt2.py's lr_at) and AdamW's bias corrections 1 - b^t for t = counters[1] + 1, in
+// double as Python computes them, rounded once to float32 into sched (lr, bc1, bc2); then both counters step on.
+// The step reads them from the GPU, so a CUDA graph of it replays a new learning rate every time.
+extern "C" __global__ void adamw_schedule(long long* counters, float* sched, double lr, double min_lr,
+                                          long long warmup, long long max_steps, double b1, double b2) {
+    const long long step = counters[0], t = counters[1] + 1;
+    double r;
+    if (step < warmup) r = lr * (double)(step + 1) / (double)warmup;
+    else if (step >= max_steps) r = min_lr;
+    else {
+        const double ratio = (double)(step - warmup) / (double)max(1LL, max_steps - warmup);
+        r = min_lr + 0.5 * (1.0 + cos(3.141592653589793 * ratio)) * (lr - min_lr);
+    }
+    sched[0] = (float)r;
+    sched[1] = (float)(1.0 - pow(b1, (double)t));
+    sched[2] = (float)(1.0 - pow(b2, (double)t));
+    counters[0] = step + 1;
+    counters[1] = t;
 }

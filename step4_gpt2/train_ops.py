@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from common import allow_dynamic_smem, expect_array, expect_choice, get_kernel, launch_grid, out_array
+from common.cublas import gemm
 
 CU = Path(__file__).resolve().parent / "train_gpt2.cu"
 HEAD_DIMS = (32, 64)      # HEAD_DIM values train_gpt2.cu supports
@@ -291,7 +292,7 @@ def weight_splits(N: int, n_in: int, n_out: int) -> int:
 
 def weight_grad(x, dy, out=None, splits: int | None = 1):
     """dW = x^T dy for y = x W: x (N, n_in), dy (N, n_out) -> (n_in, n_out), through cuBLAS (a transposed
-    view: no copy).
+    view: no copy; common.cublas.gemm, which a CUDA graph can capture).
 
     The reduction runs over the N = B*T tokens and the output is small (C x 4C at most), which looks like too
     few output tiles to fill the GPU. `splits` > 1 (None: weight_splits' choice) splits the rows by hand
@@ -308,7 +309,7 @@ def weight_grad(x, dy, out=None, splits: int | None = 1):
     if isinstance(S, bool) or not isinstance(S, (int, np.integer)) or S < 1 or N % S:
         raise ValueError(f"splits: expected a positive divisor of N={N} (or None), got {splits!r}")
     if S == 1:
-        return cp.matmul(x.T, dy, out=out)
+        return gemm(x.T, dy, out)
     n = N // S
     part = cp.matmul(x.reshape(S, n, n_in).transpose(0, 2, 1), dy.reshape(S, n, n_out))
     return cp.sum(part, axis=0, out=out)
@@ -317,12 +318,11 @@ def weight_grad(x, dy, out=None, splits: int | None = 1):
 def matmul_backward(dy, x, weight, dx=None, dweight=None, dbias=None):
     """y = x @ W + b (Conv1D layout, W (in, out)): dx = dy W^T (cuBLAS, a transposed view, no copy),
     dW = weight_grad(x, dy), db = column_sum(dy) (skipped when dbias is False)."""
-    import cupy as cp
     dy = expect_array(dy, "dy", dtype=np.float32, ndim=2)
     N, n_out = dy.shape
     weight = expect_array(weight, "weight", dtype=np.float32, shape=(None, n_out))
     x = expect_array(x, "x", dtype=np.float32, shape=(N, weight.shape[0]))
-    dx = cp.matmul(dy, weight.T, out=out_array(dx, x.shape, name="dx"))
+    dx = gemm(dy, weight.T, out_array(dx, x.shape, name="dx"))
     dweight = weight_grad(x, dy, out=dweight)
     if dbias is not False:
         dbias = column_sum(dy, out=dbias)
@@ -336,6 +336,17 @@ def classifier(logits, targets, losses=None, scale: float | None = None, grad: b
     from step3_fused.training import classifier as fused
     logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)    # named as this function's argument
     return fused(logits, None, targets, mode="grad" if grad else "loss", scale=scale, losses=losses, check=False)
+
+
+# ---------------------------------------------------------------------------------------- optimiser schedule
+def adamw_schedule(counters, sched, lr: float, min_lr: float, warmup: int, max_steps: int, betas):
+    """One thread on the GPU: sched (3,) float32 = (lr_at(counters[0]), 1 - b1^t, 1 - b2^t) with t = counters[1]
+    + 1, then counters (2,) int64 += 1: the values step 3's AdamW reads with sched=, from the GPU."""
+    counters = expect_array(counters, "counters", dtype=np.int64, shape=(2,))
+    sched = expect_array(sched, "sched", dtype=np.float32, shape=(3,))
+    _k("adamw_schedule")((1,), (1,), (counters, sched, np.float64(lr), np.float64(min_lr), np.int64(warmup),
+                                      np.int64(max_steps), np.float64(betas[0]), np.float64(betas[1])))
+    return sched
 
 
 # ---------------------------------------------------------------------------------------- gradient clipping

@@ -281,6 +281,48 @@ def test_weight_grad_split_over_rows(N, n_in, n_out):
         ops.weight_grad(cuda(x), cuda(dy), splits=N + 1)
 
 
+@gpu
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (17, 33, 5), (1, 384, 1152), (1000, 385, 67), (16384, 384, 65)])
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+def test_gemm_matches_float64(m, k, n, layout):
+    """common.cublas.gemm (the training step's GEMMs): row-major operands and transposed views, in fp32."""
+    import cupy as cp
+    from common.cublas import gemm
+    a, b = rnd(m, k, seed=m + k), rnd(k, n, seed=n + 7)
+    ga = cuda(a) if layout[0] == "n" else cuda(a.T.copy()).T
+    gb = cuda(b) if layout[1] == "n" else cuda(b.T.copy()).T
+    out = poison(cp.empty((m, n), cp.float32))
+    assert gemm(ga, gb, out) is out
+    assert_close(out, a.astype(np.float64) @ b, rtol=2e-6)
+    assert_close(gemm(cuda(np.ascontiguousarray(np.hstack([a, a]))[:, :k]), gb), a.astype(np.float64) @ b,
+                 rtol=2e-6)                                  # rows with a gap between them (a column slice)
+
+
+@gpu
+def test_gemm_is_captured_in_a_cuda_graph_and_checks_its_arguments():
+    """The reason common.cublas exists: cupy.matmul refuses to be captured, gemm is recorded and replayed."""
+    import cupy as cp
+    from common import capture_graph
+    from common.cublas import gemm
+    a, b = cuda(rnd(300, 200, seed=1)), cuda(rnd(200, 100, seed=2))
+    eager = gemm(a, b)
+    out = poison(cp.empty((300, 100), cp.float32))
+    stream = cp.cuda.Stream(non_blocking=True)
+    graph = capture_graph(lambda: gemm(a, b, out), stream)
+    assert bool(cp.isnan(out).all())                         # recorded, not run
+    graph.launch(stream)
+    stream.synchronize()
+    assert cp.array_equal(out, eager)
+    with pytest.raises(ValueError, match="b: expected 200 rows"):
+        gemm(a, a)
+    with pytest.raises(TypeError, match="a: expected dtype float32"):
+        gemm(a.astype(cp.float64), b)
+    with pytest.raises(ValueError, match="a: expected rows or columns with unit stride"):
+        gemm(cuda(rnd(300, 400))[:, ::2], b)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        gemm(a, b, cp.empty((300, 99), cp.float32))
+
+
 ATT_SHAPES = [(1, 1, 1, 64), (3, 77, 1, 64), (1, 130, 3, 64), (2, 65, 2, 32), (1, 256, 5, 64)]
 
 
@@ -403,6 +445,43 @@ def test_twenty_adamw_steps_match_torch():
     assert not bad, f"steps whose loss differs by more than 1e-4 relative: {bad}"
 
 
+@gpu
+def test_adamw_schedule_kernel_matches_the_host_schedule():
+    """The GPU's learning rate and bias corrections equal the host's (lr_at in double, 1 - b^t), in float32 bits,
+    through warm-up, the cosine and past max_steps; the counters step on."""
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    tc = TR.TrainConfig(lr=1e-3, min_lr=1e-4, warmup=7, max_steps=40, beta1=0.9, beta2=0.999)
+    counters, sched = cp.array([0, 5], cp.int64), poison(cp.empty(3, cp.float32))
+    for step in range(50):
+        ops.adamw_schedule(counters, sched, tc.lr, tc.min_lr, tc.warmup, tc.max_steps, (tc.beta1, tc.beta2))
+        t = step + 6
+        want = np.array([tc.lr_at(step), 1.0 - tc.beta1 ** t, 1.0 - tc.beta2 ** t], np.float32)
+        assert np.array_equal(sched.get(), want), (step, sched.get(), want)
+    assert counters.get().tolist() == [50, 55]
+
+
+@gpu
+def test_graph_step_is_the_eager_step_bit_for_bit():
+    """Trainer(graph=True) replays one CUDA graph per step: the same losses and weights, bit for bit, as the
+    launches one by one, across a change of batch shape (a new graph) and a learning-rate schedule."""
+    import cupy as cp
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=23, block_size=32)
+    tc = TR.TrainConfig(batch_size=3, warmup=2, max_steps=6, grad_clip=0.5)
+    eager, graphed = (TR.Trainer(TR.TrainGPT(cfg, seed=5), tc, graph=g) for g in (False, True))
+    for s in range(7):
+        T = 32 if s != 4 else 17                             # step 4: another shape, then back
+        idx, tgt = batch(cfg, 3, T, seed=s)
+        la, lb = eager.step(cuda(idx), cuda(tgt)), graphed.step(cuda(idx), cuda(tgt))
+        assert float(la) == float(lb), (s, float(la), float(lb))
+        assert cp.array_equal(eager.model.flat, graphed.model.flat), s
+    assert graphed.step_count == graphed.opt.t == 7
+    assert graphed._step_graph is not None and graphed._step_graph.key[0] == (3, 32)
+    graphed.model.attention_version = 1
+    with pytest.raises(ValueError, match="attention_version must be 2"):
+        graphed.step(cuda(idx), cuda(tgt))
+
+
 def tiny_data(cfg):
     from step4_gpt2.tokenizer import CharTokenizer
     rng = np.random.default_rng(7)
@@ -487,10 +566,11 @@ def test_fit_improves_and_generates():
 
 @gpu
 def test_tf32_matmuls_switches_both_sides_and_restores():
-    """benchmarks_train --tf32: inside, CuPy's and torch's float32 GEMMs round their inputs to TF32 (errors near
-    1e-3, not 1e-6); outside, both are plain fp32 again."""
+    """benchmarks_train --tf32: inside, CuPy's and torch's float32 GEMMs (and common.cublas.gemm, which follows
+    CuPy's switch) round their inputs to TF32 (errors near 1e-3, not 1e-6); outside, all are plain fp32 again."""
     import cupy as cp
     import common
+    from common.cublas import gemm
     from step4_gpt2 import benchmarks_train as BT
     if common.device_info()["sm"] < 80:
         pytest.skip("TF32 tensor cores need sm_80 or newer: this GPU computes float32 GEMMs in fp32 either way")
@@ -500,7 +580,8 @@ def test_tf32_matmuls_switches_both_sides_and_restores():
     torch = common.torch_cuda()
 
     def errors():
-        e = {"cupy": max_rel_error(cp.asnumpy(cp.asarray(a, cp.float32) @ cp.asarray(b, cp.float32)), ref)}
+        ga, gb = cp.asarray(a, cp.float32), cp.asarray(b, cp.float32)
+        e = {"cupy": max_rel_error(cp.asnumpy(ga @ gb), ref), "gemm": max_rel_error(cp.asnumpy(gemm(ga, gb)), ref)}
         if torch is not None:
             ta, tb = (torch.as_tensor(m, dtype=torch.float32, device="cuda") for m in (a, b))
             e["torch"] = max_rel_error((ta @ tb).double().cpu().numpy(), ref)
