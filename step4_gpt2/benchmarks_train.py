@@ -1,9 +1,10 @@
 """Benchmarks of step 4b (training GPT-2 on the course's kernels), at nanoGPT's shakespeare_char size:
-6 layers, 6 heads, C = 384, context 256, batch 64, a 65-character vocabulary, fp32 everywhere (CuPy's
-cuBLAS GEMMs in plain fp32; torch with TF32 switched off by common.torch_cuda()).
+6 layers, 6 heads, C = 384, context 256, batch 64, a 65-character vocabulary, fp32 everywhere (cuBLAS GEMMs
+through common.cublas in plain fp32; torch with TF32 switched off by common.torch_cuda()).
 
-Rows: tokens/s of a whole training step (forward, backward, clipping, AdamW) against the same model and
-step in PyTorch eager and torch.compile (same batch, same GPU, same run); where the time of one step goes
+Rows: tokens/s of a whole training step (forward, backward, clipping, AdamW), ours launched one by one and
+replayed as one CUDA graph, against the same model and step in PyTorch eager and torch.compile (same batch,
+same GPU, same run); where the time of one step goes
 (GEMMs vs every other kernel family); attention backward v1 (materialised probabilities) vs v2
 (flash-style) at T = 256 and 1024. `quality()` trains ours and PyTorch's for the same steps on the same
 batches and reports the validation loss and wall time of each (the notebook and the docs call it).
@@ -381,7 +382,7 @@ def report(directory, quality_steps: int = 600, compile_torch: bool = True) -> s
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     lines = [f"device: {common.device.describe()}", f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             "precision: fp32 everywhere; CuPy cuBLAS plain fp32, torch with TF32 off", ""]
+             "precision: fp32 everywhere; cuBLAS plain fp32, torch with TF32 off", ""]
     rec = {"device": lines[0], "date": lines[1]}
     if torch_cuda() is not None:
         grads = gradient_check()
