@@ -15,7 +15,6 @@ Precision follows CuPy's switch for float32 products (`CUPY_TF32=1`, or the comp
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
@@ -28,7 +27,7 @@ CUBLAS_GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20            # what the cuBLAS guide recommends on Hopper; more than enough before
 
 _lib = None
-_handles: dict = {}                   # device id -> (handle, workspace array that must outlive it)
+_handles: dict = {}                   # device id -> (handle, its workspace: cudaMalloc memory that outlives it)
 _ALPHA, _BETA = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
@@ -58,28 +57,31 @@ def _check(status: int, what: str):
                           f"CUBLAS_STATUS_INVALID_VALUE, 13 CUBLAS_STATUS_EXECUTION_FAILED)")
 
 
-def _handle():
-    """This device's handle, made once, with a workspace of its own: cuBLAS then allocates nothing per call,
-    which is what lets a capture record it."""
+def _handle(stream_ptr: int):
+    """This device's handle, made once, bound to the stream, with a workspace of its own: cuBLAS then allocates
+    nothing per call, which is what lets a capture record it. cublasSetStream resets the workspace to cuBLAS's
+    default pool, so it is set again after every cublasSetStream. The workspace comes straight from
+    cudaMalloc, not from a CuPy memory pool: the handle outlives any pool that is current when it is made."""
     import cupy as cp
     dev = cp.cuda.Device().id
+    lib = _cublas()
     if dev not in _handles:
-        lib = _cublas()
         h = ctypes.c_void_p()
         _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
-        ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
-        _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.data.ptr), WORKSPACE_BYTES), "cublasSetWorkspace")
-        _handles[dev] = (h, ws)
-    return _handles[dev][0]
+        _handles[dev] = (h, cp.cuda.Memory(WORKSPACE_BYTES))
+    h, ws = _handles[dev]
+    _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream_ptr)), "cublasSetStream")
+    _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.ptr), WORKSPACE_BYTES), "cublasSetWorkspace")
+    return h
 
 
 def tf32_enabled() -> bool:
-    """Whether CuPy's float32 matrix products use TF32 now (its compute-type switch, or CUPY_TF32=1)."""
+    """Whether CuPy's float32 matrix products use TF32 now: its compute type for float32, which CUPY_TF32=1 sets
+    when CuPy first reads it and step4_gpt2.benchmarks_train.tf32_matmuls() sets for a while."""
     import cupy as cp
     from cupy import _core
     from cupy._core import _routines_linalg as linalg
-    t = _core.get_compute_type(cp.float32)
-    return t == linalg.COMPUTE_TYPE_TF32 or (t == linalg.COMPUTE_TYPE_DEFAULT and os.environ.get("CUPY_TF32") == "1")
+    return _core.get_compute_type(cp.float32) == linalg.COMPUTE_TYPE_TF32
 
 
 def _operand(x, name: str):
@@ -116,8 +118,10 @@ def gemm(a, b, out=None):
         return out
     op_a, lda = _operand(a, "a")
     op_b, ldb = _operand(b, "b")
-    lib, h = _cublas(), _handle()
-    _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(cp.cuda.get_current_stream().ptr)), "cublasSetStream")
+    for name, v in (("m", m), ("n", n), ("k", k), ("a's row stride", lda), ("b's row stride", ldb)):
+        if v >= 2 ** 31:
+            raise ValueError(f"gemm: {name} = {v} does not fit cuBLAS's 32-bit int (a, b: {a.shape}, {b.shape})")
+    lib, h = _cublas(), _handle(cp.cuda.get_current_stream().ptr)
     compute = CUBLAS_COMPUTE_32F_FAST_TF32 if tf32_enabled() else CUBLAS_COMPUTE_32F
     # column-major: out^T (n, m) = b^T (n, k) @ a^T (k, m)
     _check(lib.cublasGemmEx(h, op_b, op_a, n, m, k, ctypes.byref(_ALPHA), ctypes.c_void_p(b.data.ptr), CUDA_R_32F,

@@ -43,24 +43,33 @@ def random_batches(n: int, batch: int = B, seed: int = 0) -> list[tuple[np.ndarr
     return out
 
 
+def _timed_loop(step, batches, warmup: int) -> tuple[float, float]:
+    """Run `step` on each batch after `warmup` untimed steps, without syncing inside the loop, as a training loop
+    does; (host seconds per step to queue them, seconds per step until the GPU has finished them)."""
+    import cupy as cp
+    torch = torch_cuda()
+
+    def sync():
+        cp.cuda.Device().synchronize()
+        if torch is not None:
+            torch.cuda.synchronize()
+    for x, y in batches[:warmup]:
+        step(x, y)
+    sync()
+    t0 = time.perf_counter()
+    for x, y in batches[warmup:]:
+        step(x, y)
+    t_queued = time.perf_counter()
+    sync()
+    n = len(batches) - warmup
+    return (t_queued - t0) / n, (time.perf_counter() - t0) / n
+
+
 def loop_wall_s(step, batches, warmup: int = 3) -> float:
     """Seconds per step of a loop that runs `step` on each batch, host clock, after `warmup` steps:
     what a training loop sees (launch overheads included, no sync inside the loop). Not benchmarks.wall_s:
     that times one call between syncs; a training loop queues steps on distinct batches without syncing."""
-    import cupy as cp
-    for x, y in batches[:warmup]:
-        step(x, y)
-    cp.cuda.Device().synchronize()
-    torch = torch_cuda()
-    if torch is not None:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for x, y in batches[warmup:]:
-        step(x, y)
-    cp.cuda.Device().synchronize()
-    if torch is not None:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (len(batches) - warmup)
+    return _timed_loop(step, batches, warmup)[1]
 
 
 @contextlib.contextmanager
@@ -87,18 +96,9 @@ def tf32_matmuls():
 
 def queue_s(step, batches) -> float:
     """Seconds of host time to queue one step, the GPU idle at the start (anything in the step that waits for
-    the GPU counts too): when it exceeds the step's GPU time, the training loop is host-bound and a faster GPU
-    does not make it faster."""
-    import cupy as cp
-    for x, y in batches[:2]:
-        step(x, y)
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for x, y in batches[2:]:
-        step(x, y)
-    t = (time.perf_counter() - t0) / (len(batches) - 2)
-    cp.cuda.Device().synchronize()
-    return t
+    the GPU counts too, a full launch queue included): when it exceeds the step's GPU time, the training loop
+    is host-bound and a faster GPU does not make it faster."""
+    return _timed_loop(step, batches, 2)[0]
 
 
 def ours_step(config=None, tc=None, graph: bool = False):
@@ -136,12 +136,11 @@ def train_throughput_rows(compile_torch: bool = True, steps: int = 20, vocab_siz
     """Our training step against PyTorch eager (and torch.compile) on the same batches: the shakespeare_char
     model with a vocabulary of vocab_size tokens (65 characters by default; the notebook passes its own).
     tf32: every float32 GEMM on TF32 tensor cores, on both sides (rows marked TF32); else plain fp32."""
-    if tf32:
-        with tf32_matmuls():
-            rows = train_throughput_rows(compile_torch, steps, vocab_size)
-        for r in rows:
-            r.name = r.name.replace("train step", "train step TF32")
-        return rows
+    with tf32_matmuls() if tf32 else contextlib.nullcontext():
+        return _throughput_rows(compile_torch, steps, vocab_size, "train step TF32" if tf32 else "train step")
+
+
+def _throughput_rows(compile_torch: bool, steps: int, vocab_size: int, what: str) -> list[Row]:
     batches = random_batches(steps + 3)
     tokens = B * T
     config = _config(vocab_size)
@@ -149,8 +148,8 @@ def train_throughput_rows(compile_torch: bool = True, steps: int = 20, vocab_siz
     for graph, label in ((False, "ours"), (True, "ours, CUDA graph")):
         _, ours = ours_step(config, graph=graph)
         t_ours[graph] = loop_wall_s(ours, batches)
-        rows += [Row(f"train step, {label} (tok/s)", SIZE, t_ours[graph] * 1e3, rate=tokens / t_ours[graph], unit="tok/s"),
-                 Row(f"train step, {label}: host time to queue it", SIZE, queue_s(ours, batches[:7]) * 1e3)]
+        rows += [Row(f"{what}, {label} (tok/s)", SIZE, t_ours[graph] * 1e3, rate=tokens / t_ours[graph], unit="tok/s"),
+                 Row(f"{what}, {label}: host time to queue it", SIZE, queue_s(ours, batches[:7]) * 1e3)]
     anchors = [("torch eager", False)] + ([("torch.compile", True)] if compile_torch else [])
     for label, compiled in anchors:
         _, step = torch_step(config, compiled=compiled)
@@ -158,9 +157,9 @@ def train_throughput_rows(compile_torch: bool = True, steps: int = 20, vocab_siz
             print("torch with CUDA not installed: no torch rows")
             break
         t = loop_wall_s(step, batches, warmup=3)
-        rows.append(Row(f"train step, {label} (tok/s)", SIZE, t * 1e3, rate=tokens / t, unit="tok/s"))
+        rows.append(Row(f"{what}, {label} (tok/s)", SIZE, t * 1e3, rate=tokens / t, unit="tok/s"))
         for graph, name in ((False, "ours"), (True, "ours (graph)")):
-            r = Row(f"train step, {name} vs {label}", SIZE, t_ours[graph] * 1e3, rate=tokens / t_ours[graph],
+            r = Row(f"{what}, {name} vs {label}", SIZE, t_ours[graph] * 1e3, rate=tokens / t_ours[graph],
                     unit="tok/s", anchor=label, ratio=t / t_ours[graph])
             rows.append(r.check("ratio", 1.5 if not compiled else 1.0))
     return rows
@@ -436,6 +435,8 @@ if __name__ == "__main__":
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchor (it compiles for a minute)")
     ap.add_argument("--tf32", action="store_true", help="only the training-step rows, with TF32 GEMMs on both sides")
     args = ap.parse_args()
+    if args.tf32 and args.report:
+        ap.error("--tf32 runs the training-step rows only; run --report without it")
     if args.tf32:
         from common.benchmarks import table
         print(table(train_throughput_rows(compile_torch=not args.no_compile, tf32=True)))

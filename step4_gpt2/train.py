@@ -266,33 +266,51 @@ class TrainGPT:
 class _StepGraph:
     """One training step recorded as a CUDA graph (common.capture_graph) and replayed for each later batch of
     the same shape, on the caller's stream. No memory may be allocated while a stream is captured, and the
-    step allocates temporaries (partial sums, the loss, the norm): so the first call runs the step eagerly
-    on the graph's own stream with a memory pool of its own, which then holds every temporary the step needs,
-    and the capture takes the same buffers again from it. The pool stays with the graph and lends them to no
-    one else. The batch is copied into the graph's input buffers before each replay."""
+    step allocates temporaries (partial sums, the loss, the norm): so the first step runs without a graph on
+    the trainer's own stream, with a memory pool of its own that then holds every temporary the step needs,
+    and the capture takes the same buffers again from it. The pool lives as long as the trainer and lends
+    them to no one else; what outlives a step (the optimiser's pointer table, the loss handed back) is made
+    outside it. The batch is copied into the graph's input buffers before each replay."""
 
     def __init__(self, trainer: "Trainer", idx, targets, key):
         import cupy as cp
-        from common import capture_graph
-        if trainer.model.attention_version != 2:
+        m, opt = trainer.model, trainer.opt
+        if m.attention_version != 2:
             raise ValueError("graph=True: attention_version must be 2 (version 1's batched GEMMs go through "
                              "cupy.matmul, which CuPy refuses inside a graph capture)")
         self.key = key
-        # Made by the model, in its memory; held here too: the model may drop them for other shapes (it keeps
+        # Made in the model's memory, and held here too: the model may drop them for other shapes (it keeps
         # two), and the graph writes to these very addresses.
-        self.acts = trainer.model._activations(*idx.shape)
+        self.acts = m._activations(*idx.shape)
+        opt._table(m.grads, opt._names(m.grads))           # AdamW's pointer table, cached by the optimiser
         self.idx, self.targets = idx.copy(), targets.copy()
-        self.pool, self.stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
+        if trainer._graph_memory is None:
+            trainer._graph_memory = (cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
+        self.stream, self.pool = trainer._graph_memory
         caller = cp.cuda.get_current_stream()
         self.stream.wait_event(caller.record())
-        with cp.cuda.using_allocator(self.pool.malloc):
-            with self.stream:
-                self.first_loss = trainer._step_body(self.idx, self.targets)
-            t_after = trainer.opt.t
-            self.graph = capture_graph(lambda: setattr(self, "loss", trainer._step_body(self.idx, self.targets)),
-                                       self.stream)
-        trainer.opt.t = t_after                            # recording ran Python, not a step
+        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
+            loss = trainer._step_body(self.idx, self.targets)
         caller.wait_event(self.stream.record())
+        self.first_loss = loss.copy()                      # in the caller's memory, on the caller's stream
+
+    def capture(self, trainer: "Trainer"):
+        """Record the step (it does not run: the optimiser's host-side count is put back)."""
+        import cupy as cp
+        from common import capture_graph
+        t, norm = trainer.opt.t, trainer._last_norm
+        try:
+            with cp.cuda.using_allocator(self.pool.malloc):
+                self.graph = capture_graph(
+                    lambda: setattr(self, "loss", trainer._step_body(self.idx, self.targets)), self.stream)
+        except Exception as e:
+            trainer.graph = False
+            raise RuntimeError(f"graph=True: capturing the training step failed ({type(e).__name__}: {e}); this "
+                               f"step ran without a graph, and the trainer now launches the kernels one by one "
+                               f"(graph=False)") from e
+        finally:
+            self.norm, trainer._last_norm = trainer._last_norm, norm    # the graph's buffer; the step's value
+            trainer.opt.t = t
 
     def replay(self, idx, targets):
         self.idx[...] = idx
@@ -353,14 +371,21 @@ class Trainer:
         self.opt = AdamW(model.params, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay,
                          decayed=decayed)
         self.step_count = 0
-        self.last_norm = None
+        self._last_norm = None
         # The step counter and AdamW's t also live on the GPU, where the schedule kernel reads them.
         self._counters, self._sched = cp.zeros(2, cp.int64), cp.zeros(3, cp.float32)
-        self._gpu_counters = (0, 0)        # what the host knows the GPU's counters hold
+        self._gpu_counters = (0, 0)        # what the host knows the GPU's counters hold (None: not known)
         self._step_graph = None
+        self._graph_memory = None          # (stream, memory pool) of this trainer's graphs, made on first use
+
+    @property
+    def last_norm(self):
+        """The global gradient norm of the last step, before clipping (a CuPy scalar, a copy: with graph=True the
+        step writes it into a buffer of its own; None before the first step)."""
+        return None if self._last_norm is None else self._last_norm.copy()
 
     def _sync_counters(self):
-        """The GPU's counters follow the host's: after a resume, or a step_count set by hand."""
+        """The GPU's counters follow the host's: after a resume, a step_count set by hand, or a failed step."""
         if self._gpu_counters != (self.step_count, self.opt.t):
             self._counters.set(np.array([self.step_count, self.opt.t], np.int64))
             self._gpu_counters = (self.step_count, self.opt.t)
@@ -368,8 +393,8 @@ class Trainer:
     def _update(self):
         """Everything after the backward pass; reads nothing from the host that changes from step to step."""
         c = self.config
-        self.last_norm = ops.clip_grad_norm(self.model.gflat, c.grad_clip)
-        ops.adamw_schedule(self._counters, self._sched, c.lr, c.min_lr, c.warmup, c.max_steps, (c.beta1, c.beta2))
+        self._last_norm = ops.clip_grad_norm(self.model.gflat, c.grad_clip)
+        ops.adamw_schedule(self._counters, self._sched, c.lr, c.min_lr, c.warmup, c.max_steps, self.opt.betas)
         self.opt.step(self.model.grads, sched=self._sched)
 
     def _step_body(self, idx, targets):
@@ -379,22 +404,33 @@ class Trainer:
 
     def step(self, idx, targets, check: bool = True):
         """One training step (forward, backward, clip, AdamW); the batch's loss before the update (CuPy scalar)."""
+        from common.cublas import tf32_enabled
         if check:
             idx, targets = self.model.check_batch(idx, targets)
         self._sync_counters()
         self.opt.lr = self.config.lr_at(self.step_count)          # the host's copy, for whoever prints it
+        self._gpu_counters = None                                 # until this step has run
         if not self.graph:
             loss = self._step_body(idx, targets)                  # AdamW counts opt.t itself
         else:
+            # everything the graph bakes in: shapes, code paths, precision, hyper-parameters, the objects it uses
+            o = self.opt
             key = (tuple(idx.shape), tuple(targets.shape), self.model.attention_version,
-                   self.model.embedding_version, astuple(self.config))
-            if self._step_graph is None or self._step_graph.key != key:
-                self._step_graph = None                           # its buffers go back before new ones are made
-                self._step_graph = _StepGraph(self, idx, targets, key)    # runs this step, records the next
-                loss = self._step_graph.first_loss
-            else:
+                   self.model.embedding_version, tf32_enabled(), astuple(self.config), o.betas, o.eps, o.wd,
+                   tuple(o.decayed), id(self.model), id(o))
+            if self._step_graph is not None and self._step_graph.key == key:
                 loss = self._step_graph.replay(idx, targets)
-                self.opt.t += 1
+                self._last_norm = self._step_graph.norm
+                o.t += 1
+            else:
+                self._step_graph = None                           # its buffers go back to the pool first
+                graph = _StepGraph(self, idx, targets, key)       # runs this step without a graph
+                loss = graph.first_loss
+                self.step_count += 1
+                self._gpu_counters = (self.step_count, o.t)
+                graph.capture(self)                               # records the next ones
+                self._step_graph = graph
+                return loss
         self.step_count += 1
         self._gpu_counters = (self.step_count, self.opt.t)
         return loss

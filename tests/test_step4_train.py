@@ -294,8 +294,9 @@ def test_gemm_matches_float64(m, k, n, layout):
     out = poison(cp.empty((m, n), cp.float32))
     assert gemm(ga, gb, out) is out
     assert_close(out, a.astype(np.float64) @ b, rtol=2e-6)
-    assert_close(gemm(cuda(np.ascontiguousarray(np.hstack([a, a]))[:, :k]), gb), a.astype(np.float64) @ b,
-                 rtol=2e-6)                                  # rows with a gap between them (a column slice)
+    # strided views made on the GPU: rows with a gap between them (a column slice), and a transposed one
+    assert_close(gemm(cuda(np.hstack([a, a]))[:, :k], gb), a.astype(np.float64) @ b, rtol=2e-6)
+    assert_close(gemm(ga, cuda(np.hstack([b.T, b.T]))[:, :k].T), a.astype(np.float64) @ b, rtol=2e-6)
 
 
 @gpu
@@ -463,19 +464,27 @@ def test_adamw_schedule_kernel_matches_the_host_schedule():
 
 @gpu
 def test_graph_step_is_the_eager_step_bit_for_bit():
-    """Trainer(graph=True) replays one CUDA graph per step: the same losses and weights, bit for bit, as the
-    launches one by one, across a change of batch shape (a new graph) and a learning-rate schedule."""
+    """Trainer(graph=True) replays one CUDA graph per step: the same losses, norms and weights, bit for bit, as
+    the launches one by one, across a learning-rate schedule, a change of batch shape and back (new graphs;
+    the memory the old one used is reused and overwritten meanwhile), and a step count set by hand."""
+    import gc
     import cupy as cp
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=23, block_size=32)
-    tc = TR.TrainConfig(batch_size=3, warmup=2, max_steps=6, grad_clip=0.5)
+    tc = TR.TrainConfig(batch_size=3, warmup=2, max_steps=8, grad_clip=0.5)
     eager, graphed = (TR.Trainer(TR.TrainGPT(cfg, seed=5), tc, graph=g) for g in (False, True))
-    for s in range(7):
-        T = 32 if s != 4 else 17                             # step 4: another shape, then back
+    for s in range(9):
+        T = 32 if s != 4 else 17                             # step 4: another shape, step 5: back
+        if s == 6:
+            eager.step_count = graphed.step_count = 2        # the schedule goes back; the GPU's counters follow
         idx, tgt = batch(cfg, 3, T, seed=s)
         la, lb = eager.step(cuda(idx), cuda(tgt)), graphed.step(cuda(idx), cuda(tgt))
         assert float(la) == float(lb), (s, float(la), float(lb))
+        assert float(eager.last_norm) == float(graphed.last_norm), s
         assert cp.array_equal(eager.model.flat, graphed.model.flat), s
-    assert graphed.step_count == graphed.opt.t == 7
+        gc.collect()
+        junk = [poison(cp.empty(n, cp.float32)) for n in (1 << 10, 1 << 16, 1 << 20)]   # reuse freed memory
+        del junk
+    assert graphed.step_count == 5 and graphed.opt.t == 9
     assert graphed._step_graph is not None and graphed._step_graph.key[0] == (3, 32)
     graphed.model.attention_version = 1
     with pytest.raises(ValueError, match="attention_version must be 2"):
