@@ -295,6 +295,11 @@ class _Optimizer:
         """Tensor k's arrays in the order the multi-tensor kernel reads them from the table."""
         return [self.params[k], grads[k]]
 
+    def prepare(self, grads: dict):
+        """Build (and cache) the one-launch kernel's table for these gradient buffers now, e.g. before a CUDA
+        graph capture, where nothing may be allocated."""
+        self._table(grads, self._names(grads))
+
     def _table(self, grads: dict, names: list) -> _Table:
         key = (tuple(names), tuple(grads[k].data.ptr for k in names))
         if key not in self._tables:

@@ -282,7 +282,7 @@ class _StepGraph:
         # Made in the model's memory, and held here too: the model may drop them for other shapes (it keeps
         # two), and the graph writes to these very addresses.
         self.acts = m._activations(*idx.shape)
-        opt._table(m.grads, opt._names(m.grads))           # AdamW's pointer table, cached by the optimiser
+        opt.prepare(m.grads)                               # AdamW's pointer table, in the optimiser's memory
         self.idx, self.targets = idx.copy(), targets.copy()
         if trainer._graph_memory is None:
             trainer._graph_memory = (cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
