@@ -8,12 +8,13 @@ by `cuda.pathfinder`, as CuPy finds it), four C functions through ctypes. cuBLAS
 course's arrays are row-major, so C = A B is computed as C^T = B^T A^T: a row-major matrix is its transpose in
 column-major memory, and no data moves.
 
-Precision follows CuPy's switch for float32 products (`CUPY_TF32=1`, or the compute type set by
-`step4_gpt2.benchmarks_train.tf32_matmuls`): plain fp32 (CUBLAS_COMPUTE_32F) unless TF32 is on
+Precision follows CuPy's switch for float32 products (`CUPY_TF32=1`, or `tf32_matmuls()` below, which
+also switches torch): plain fp32 (CUBLAS_COMPUTE_32F) unless TF32 is on
 (CUBLAS_COMPUTE_32F_FAST_TF32, the tensor cores).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -77,11 +78,34 @@ def _handle(stream_ptr: int):
 
 def tf32_enabled() -> bool:
     """Whether CuPy's float32 matrix products use TF32 now: its compute type for float32, which CUPY_TF32=1 sets
-    when CuPy first reads it and step4_gpt2.benchmarks_train.tf32_matmuls() sets for a while."""
+    when CuPy first reads it and tf32_matmuls() sets for a while."""
     import cupy as cp
     from cupy import _core
     from cupy._core import _routines_linalg as linalg
     return _core.get_compute_type(cp.float32) == linalg.COMPUTE_TYPE_TF32
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    """Inside: float32 matrix products on TF32 tensor cores on both sides, CuPy's cuBLAS calls (gemm here
+    included) and torch's (the same precision for both); restored on exit. CuPy's only public switch is the
+    CUPY_TF32 environment variable, read when it is imported; this calls the setter behind it."""
+    import cupy as cp
+    from cupy import _core
+    from cupy._core import _routines_linalg as linalg
+    from common.device import torch_cuda
+    torch = torch_cuda()
+    old = _core.get_compute_type(cp.float32)
+    old_torch = torch.backends.cuda.matmul.allow_tf32 if torch is not None else None
+    _core.set_compute_type(cp.float32, linalg.COMPUTE_TYPE_TF32)
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        _core.set_compute_type(cp.float32, old)
+        if torch is not None:
+            torch.backends.cuda.matmul.allow_tf32 = old_torch
 
 
 def _operand(x, name: str):

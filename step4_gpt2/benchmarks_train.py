@@ -22,6 +22,7 @@ import numpy as np
 import common
 from common import bench, max_rel_error, torch_cuda
 from common.benchmarks import Row
+from common.cublas import tf32_matmuls
 
 B, T, V = 64, 256, 65
 SIZE = f"6L C384 B{B} T{T}"
@@ -70,28 +71,6 @@ def loop_wall_s(step, batches, warmup: int = 3) -> float:
     what a training loop sees (launch overheads included, no sync inside the loop). Not benchmarks.wall_s:
     that times one call between syncs; a training loop queues steps on distinct batches without syncing."""
     return _timed_loop(step, batches, warmup)[1]
-
-
-@contextlib.contextmanager
-def tf32_matmuls():
-    """Inside: float32 matrix products on TF32 tensor cores on both sides, CuPy's cuBLAS calls and torch's (the
-    same precision for both); restored on exit. CuPy's only public switch is the CUPY_TF32 environment variable,
-    read when it is imported; this calls the setter behind it."""
-    import cupy as cp
-    from cupy import _core
-    from cupy._core import _routines_linalg as linalg
-    torch = torch_cuda()
-    old = _core.get_compute_type(cp.float32)
-    old_torch = torch.backends.cuda.matmul.allow_tf32 if torch is not None else None
-    _core.set_compute_type(cp.float32, linalg.COMPUTE_TYPE_TF32)
-    if torch is not None:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        _core.set_compute_type(cp.float32, old)
-        if torch is not None:
-            torch.backends.cuda.matmul.allow_tf32 = old_torch
 
 
 def queue_s(step, batches) -> float:

@@ -410,6 +410,7 @@ class Trainer:
         self._sync_counters()
         self.opt.lr = self.config.lr_at(self.step_count)          # the host's copy, for whoever prints it
         self._gpu_counters = None                                 # until this step has run
+        new_graph = None
         if not self.graph:
             loss = self._step_body(idx, targets)                  # AdamW counts opt.t itself
         else:
@@ -424,15 +425,13 @@ class Trainer:
                 o.t += 1
             else:
                 self._step_graph = None                           # its buffers go back to the pool first
-                graph = _StepGraph(self, idx, targets, key)       # runs this step without a graph
-                loss = graph.first_loss
-                self.step_count += 1
-                self._gpu_counters = (self.step_count, o.t)
-                graph.capture(self)                               # records the next ones
-                self._step_graph = graph
-                return loss
+                new_graph = _StepGraph(self, idx, targets, key)   # runs this step without a graph
+                loss = new_graph.first_loss
         self.step_count += 1
         self._gpu_counters = (self.step_count, self.opt.t)
+        if new_graph is not None:                                 # the step is counted even if recording fails
+            new_graph.capture(self)                               # records the next steps
+            self._step_graph = new_graph
         return loss
 
     def evaluate(self, data: Data, split: str = "val", batches: int | None = None, T: int | None = None) -> float:
