@@ -54,26 +54,6 @@ static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 typedef unsigned short u16;
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 750
-// 16-byte global -> shared copy; rows past the end are zero-filled (src-size 0 reads nothing).
-__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-#else
-    *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-#endif
-}
-__device__ __forceinline__ void copy_commit() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N>
-__device__ __forceinline__ void copy_wait() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
-
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));

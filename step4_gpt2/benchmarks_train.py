@@ -205,10 +205,11 @@ def train_breakdown_rows() -> list[Row]:
         rows.append(Row.of(t, SIZE, ceiling=("fp32 peak", common.fp32_peak_tflops())))
 
     qkv = [q.reshape(B, T, 3 * C) for q in a.qkv]
+    av = m.attention_version
     pieces = {
         "all GEMMs (cuBLAS, 12 per layer + LM head x3)": (gemms, 3 * third),
-        "attention forward (saves lse)": (lambda: [ops.attention_forward(qkv[i], p(i, "attn.c_attn.bias"), H, out=a.atty[i], lse=a.lse[i]) for i in range(L)], None),
-        "attention backward v2": (lambda: [ops.attention_backward(a.datty, qkv[i], p(i, "attn.c_attn.bias"), a.atty[i], a.lse[i], H, dqkv=a.dqkv) for i in range(L)], None),
+        f"attention forward v{av} (saves lse)": (lambda: [ops.attention_forward(qkv[i], p(i, "attn.c_attn.bias"), H, out=a.atty[i], lse=a.lse[i], version=av) for i in range(L)], None),
+        f"attention backward v{av}": (lambda: [ops.attention_backward(a.datty, qkv[i], p(i, "attn.c_attn.bias"), a.atty[i], a.lse[i], H, dqkv=a.dqkv, version=av) for i in range(L)], None),
         "LayerNorm forward (+residual)": (lambda: [ops.layernorm_forward(a.resid[i], p(i, "ln_2.weight"), p(i, "ln_2.bias"), y=a.tmp, ybias=p(i, "attn.c_proj.bias"), resid=a.resid2[i], out=a.ln2[i], mean=a.m2[i], rstd=a.r2[i]) for i in range(L) for _ in range(2)], None),
         "LayerNorm backward": (lambda: [ops.layernorm_backward(a.dln, a.resid2[i], p(i, "ln_2.weight"), a.m2[i], a.r2[i], dx=a.dres, dweight=G[f"h.{i}.ln_2.weight"], dbias=G[f"h.{i}.ln_2.bias"], accumulate=True) for i in range(L) for _ in range(2)], None),
         "bias + GELU forward and backward": (lambda: [(ops.gelu_bias_forward(a.pre[i], p(i, "mlp.c_fc.bias"), out=a.h[i]), ops.gelu_bias_backward(a.h[i], a.pre[i], p(i, "mlp.c_fc.bias"), dpre=a.dh, dbias=G[f"h.{i}.mlp.c_fc.bias"])) for i in range(L)], None),
@@ -232,8 +233,9 @@ def train_breakdown_rows() -> list[Row]:
 
 
 def train_attention_rows() -> list[Row]:
-    """Attention backward v1 (materialised P, cuBLAS batched GEMMs) vs v2 (flash-style), 6 heads of 64,
-    B*T = 16384 tokens at T = 256 and at T = 1024; and the forward."""
+    """Attention backward v1 (materialised P, cuBLAS batched GEMMs) vs v2 (flash-style, FMA units) vs v3
+    (flash-style, tensor cores at fp32 accuracy), and the forward v2 vs v3, 6 heads of 64, B*T = 16384 tokens at
+    T = 256 and at T = 1024, beside PyTorch's fp32 scaled_dot_product_attention (v3 where the GPU has sm_80+)."""
     import cupy as cp
     from step4_gpt2 import train_ops as ops
     rows, H, D = [], 6, 64
@@ -243,27 +245,37 @@ def train_attention_rows() -> list[Row]:
         qkv = cp.asarray(rng.standard_normal((B_, T_, 3 * C), dtype=np.float32))
         bias = cp.asarray(0.1 * rng.standard_normal(3 * C, dtype=np.float32))
         dout = cp.asarray(rng.standard_normal((B_, T_, C), dtype=np.float32))
-        out, lse = ops.attention_forward(qkv, bias, H)
+        out, lse = ops.attention_forward(qkv, bias, H, version=2)
         dqkv = cp.empty_like(qkv)
         causal = B_ * H * T_ * (T_ + 1) / 2 * D * 2       # FLOPs of one causal T x T x D product
         size = f"B{B_} H{H} T{T_} D{D}"
-        fwd = bench(lambda: ops.attention_forward(qkv, bias, H, out=out, lse=lse), name=f"attention forward T={T_}", flops=2 * causal)
-        v1 = bench(lambda: ops.attention_backward(dout, qkv, bias, out, lse, H, dqkv=dqkv, version=1),
-                   name=f"attention backward v1 T={T_}", flops=5 * causal)
-        v2 = bench(lambda: ops.attention_backward(dout, qkv, bias, out, lse, H, dqkv=dqkv, version=2),
-                   name=f"attention backward v2 T={T_}", flops=5 * causal)
-        rows += [Row.of(fwd, size), Row.of(v1, size), Row.of(v2, size, anchor=("v1 (materialised)", v1))]
+        tc = [3] if ops.default_attention_version() == 3 else []
+        fwd, bwd = {}, {}
+        for v in [2] + tc:
+            fwd[v] = bench(lambda v=v: ops.attention_forward(qkv, bias, H, out=out, lse=lse, version=v),
+                           name=f"attention forward v{v} T={T_}", flops=2 * causal)
+            rows.append(Row.of(fwd[v], size))
+        for v in [1, 2] + tc:
+            bwd[v] = bench(lambda v=v: ops.attention_backward(dout, qkv, bias, out, lse, H, dqkv=dqkv, version=v),
+                           name=f"attention backward v{v} T={T_}", flops=5 * causal)
+            rows.append(Row.of(bwd[v], size, anchor=("v1 (materialised)", bwd[1]) if v > 1 else None))
         torch = torch_cuda()
         if torch is not None:
             q, k, v = (torch.as_tensor(qkv[..., j * C:(j + 1) * C] + bias[j * C:(j + 1) * C], device="cuda")
                        .reshape(B_, T_, H, D).transpose(1, 2).contiguous().requires_grad_() for j in range(3))
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            o = sdpa(q, k, v, is_causal=True)
             g = torch.as_tensor(dout, device="cuda").reshape(B_, T_, H, D).transpose(1, 2)
+            with torch.no_grad():
+                tf = bench(lambda: sdpa(q, k, v, is_causal=True), name=f"torch SDPA forward T={T_}", flops=2 * causal)
             tb = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True),
                        name=f"torch SDPA backward T={T_}", flops=5 * causal)
-            rows.append(Row.of(tb, size))
-            rows.append(Row(f"attention backward v2 vs torch T={T_}", size, v2.median_ms, anchor="torch SDPA fp32",
-                            ratio=tb.median_ms / v2.median_ms))
+            rows += [Row.of(tf, size), Row.of(tb, size)]
+            best = max(bwd)
+            rows.append(Row(f"attention forward v{best} vs torch T={T_}", size, fwd[best].median_ms,
+                            anchor="torch SDPA fp32", ratio=tf.median_ms / fwd[best].median_ms))
+            rows.append(Row(f"attention backward v{best} vs torch T={T_}", size, bwd[best].median_ms,
+                            anchor="torch SDPA fp32", ratio=tb.median_ms / bwd[best].median_ms))
     return rows
 
 

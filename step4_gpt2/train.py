@@ -128,7 +128,8 @@ class TrainGPT:
     """GPT-2 (HF layout and names) with a forward and a backward pass on the course's kernels.
 
     params / grads: {name: CuPy float32 view} into one flat buffer each (flat, gflat).
-    attention_version: the attention backward, 1 (materialised) or 2 (flash-style, default);
+    attention_version: the attention, train_ops.ATTENTION_VERSIONS: 1 (the backward materialises P), 2 (flash-style
+    on the FMA units), 3 (flash-style on tensor cores at fp32 accuracy; the default on sm_80+, else 2);
     embedding_version: the token-embedding backward, 1 (atomics) or 2 (deterministic, default)."""
 
     def __init__(self, config: GPTConfig, params: dict | None = None, seed: int = 0):
@@ -151,7 +152,7 @@ class TrainGPT:
             self.grads[k] = self.gflat[off:off + n].reshape(s)
             self.params[k][...] = cp.asarray(np.asarray(params[k], dtype=np.float32))
             off += n
-        self.attention_version, self.embedding_version = 2, 2
+        self.attention_version, self.embedding_version = ops.default_attention_version(), 2
         self._acts: dict = {}
         self._a = None
 
@@ -204,7 +205,8 @@ class TrainGPT:
         ops.layernorm_forward(x, p(0, "ln_1.weight"), p(0, "ln_1.bias"), cfg.eps, out=a.ln1[0], mean=a.m1[0], rstd=a.r1[0])
         for i in range(L):
             gemm(a.ln1[i], p(i, "attn.c_attn.weight"), a.qkv[i])
-            ops.attention_forward(a.qkv[i].reshape(B, T, 3 * C), p(i, "attn.c_attn.bias"), H, out=a.atty[i], lse=a.lse[i])
+            ops.attention_forward(a.qkv[i].reshape(B, T, 3 * C), p(i, "attn.c_attn.bias"), H, out=a.atty[i], lse=a.lse[i],
+                                  version=self.attention_version)
             gemm(a.atty[i].reshape(N, C), p(i, "attn.c_proj.weight"), a.tmp)
             ops.layernorm_forward(a.resid[i], p(i, "ln_2.weight"), p(i, "ln_2.bias"), cfg.eps, y=a.tmp,
                                   ybias=p(i, "attn.c_proj.bias"), resid=a.resid2[i], out=a.ln2[i], mean=a.m2[i], rstd=a.r2[i])
@@ -275,8 +277,8 @@ class _StepGraph:
     def __init__(self, trainer: "Trainer", idx, targets, key):
         import cupy as cp
         m, opt = trainer.model, trainer.opt
-        if m.attention_version != 2:
-            raise ValueError("graph=True: attention_version must be 2 (version 1's batched GEMMs go through "
+        if m.attention_version == 1:
+            raise ValueError("graph=True: attention_version must be 2 or 3 (version 1's batched GEMMs go through "
                              "cupy.matmul, which CuPy refuses inside a graph capture)")
         self.key = key
         # Made in the model's memory, and held here too: the model may drop them for other shapes (it keeps

@@ -4,7 +4,8 @@ Every function takes CuPy float32 arrays (token ids int32), checks them with com
 names the argument), and writes into `out=`-style buffers when given, so the step's activations and gradients are
 allocated once (the reductions' partial sums and the attention backward's row terms are still per call).
 The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu), the attention
-forward is step 2's flash attention (flash_attention.cu), asked to save each row's log-sum-exp; the global
+forward is step 2's flash attention (flash_attention.cu), asked to save each row's log-sum-exp, or, in version 3,
+the tensor-core kernels of train_attention_tc.cu (forward and backward at fp32 accuracy, 3xTF32); the global
 gradient-norm clipping is two CuPy-generated kernels (a reduction and an in-place scaling).
 """
 from __future__ import annotations
@@ -16,9 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from common import allow_dynamic_smem, expect_array, expect_choice, get_kernel, launch_grid, out_array
+from common.device import device_info, require_arch
 from common.cublas import gemm
 
 CU = Path(__file__).resolve().parent / "train_gpt2.cu"
+CU_TC = Path(__file__).resolve().parent / "train_attention_tc.cu"     # attention version 3 (sm_80+)
 HEAD_DIMS = (32, 64)      # HEAD_DIM values train_gpt2.cu supports
 # Launch shapes, defined here only and passed to train_gpt2.cu as defines (it has no defaults for them).
 ATT_ROWS = 64                         # attention backward v2: query (or key) rows per block, 2 threads each
@@ -31,11 +34,18 @@ CHUNK_ROWS = 256                      # rows per partial in the column sums
 LN_ROWS_PER_BLOCK = 32                # layernorm_backward: rows per block (8 per warp)
 BLOCK = 256
 EMBEDDING_VERSIONS = (1, 2)           # 1: atomicAdd scatter; 2: sorted, deterministic
-ATTENTION_BACKWARD_VERSIONS = (1, 2)  # 1: materialises P (cuBLAS); 2: flash-style, recomputes P from lse
+# Attention: 1 materialises P in the backward (cuBLAS); 2 is flash-style on the FMA units (recomputes P from lse);
+# 3 is flash-style on tensor cores at fp32 accuracy (3xTF32, sm_80+). The forward of 1 and 2 is step 2's kernel.
+ATTENTION_VERSIONS = (1, 2, 3)
+TC_WARPS, TC_ROWS = 4, 64             # train_attention_tc.cu: 4 warps, 16 rows each
 
 
 def _k(name: str, head_dim: int = 64):
     return get_kernel(CU, name, {"HEAD_DIM": head_dim, **DEFINES})
+
+
+def _tc(name: str, head_dim: int = 64):
+    return get_kernel(CU_TC, name, {"HEAD_DIM": head_dim})
 
 
 def _grid(n: int) -> tuple:
@@ -213,15 +223,41 @@ def _qkv_shape(qkv, n_head: int):
     return qkv, B, T, C, D
 
 
-def attention_forward(qkv, bias, n_head: int, out=None, lse=None):
+def default_attention_version() -> int:
+    """3 (tensor cores) where the GPU has TF32 tensor cores (sm_80+), else 2."""
+    return 3 if device_info()["sm"] >= 80 else 2
+
+
+def _attention_version(version):
+    version = default_attention_version() if version is None else expect_choice(version, "version", ATTENTION_VERSIONS)
+    if version == 3:
+        require_arch(80, "attention version 3 (TF32 tensor cores)")
+    return version
+
+
+def attention_forward(qkv, bias, n_head: int, out=None, lse=None, version: int | None = None):
     """Causal attention on GPT-2's fused qkv (B, T, 3C) (+ bias (3C,), added while loading) ->
-    (out (B, T, C), lse (B, H, T)): step 2's flash attention (flash_attention_qkv), which also writes each
-    row's log-sum-exp when given a buffer; the T x T scores never leave the chip."""
-    from step2_attention.flash import flash_attention_qkv
+    (out (B, T, C), lse (B, H, T)); the T x T scores never leave the chip. Versions 1 and 2: step 2's flash
+    attention (flash_attention_qkv), which also writes each row's log-sum-exp when given a buffer; 3: on tensor
+    cores (train_attention_tc.cu); None: default_attention_version()."""
+    version = _attention_version(version)
     qkv, B, T, C, D = _qkv_shape(qkv, n_head)
     lse = out_array(lse, (B, n_head, T), name="lse")
-    out = flash_attention_qkv(qkv, n_head, causal=True, bias=bias, out=out, lse=lse)
+    if version != 3:
+        from step2_attention.flash import flash_attention_qkv
+        return flash_attention_qkv(qkv, n_head, causal=True, bias=bias, out=out, lse=lse), lse
+    out = out_array(out, (B, T, C), name="out")
+    if bias is not None:
+        bias = expect_array(bias, "bias", dtype=np.float32, shape=(3 * C,))
+    if out.size:
+        _tc("attention_forward_tc", D)((-(-T // TC_ROWS), B * n_head), (TC_WARPS * 32,),
+                                       (qkv, _or_null(bias), out, lse, np.int32(T), np.int32(n_head),
+                                        np.float32(1.0 / math.sqrt(D))))
     return out, lse
+
+
+def _or_null(a):
+    return np.uint64(0) if a is None else a
 
 
 def attention_delta(dout, out, n_head: int, delta=None):
@@ -237,12 +273,13 @@ def attention_delta(dout, out, n_head: int, delta=None):
     return delta
 
 
-def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, version: int = 2):
+def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, version: int | None = None):
     """dqkv (B, T, 3C) of causal attention, from dout (B, T, C) and the forward's out and lse. The qkv bias
     gradient is column_sum(dqkv). version 1 writes the T x T probabilities (and dP) to memory and uses
-    cuBLAS batched GEMMs; version 2 recomputes them tile by tile from lse and never writes a T x T matrix."""
+    cuBLAS batched GEMMs; version 2 recomputes them tile by tile from lse and never writes a T x T matrix;
+    version 3 does what 2 does on tensor cores (3xTF32); None: default_attention_version()."""
     import cupy as cp
-    expect_choice(version, "version", ATTENTION_BACKWARD_VERSIONS)
+    version = _attention_version(version)
     qkv, B, T, C, D = _qkv_shape(qkv, n_head)
     H = n_head
     dout = expect_array(dout, "dout", dtype=np.float32, shape=(B, T, C))
@@ -253,11 +290,16 @@ def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, versio
     dqkv = out_array(dqkv, (B, T, 3 * C), name="dqkv")
     if not dqkv.size:
         return dqkv
-    delta = attention_delta(dout, out, H)
     scale = 1.0 / math.sqrt(D)
+    if version == 3:                 # attention_dq_tc writes delta, then attention_dkv_tc reads it
+        delta = cp.empty((B, H, T), cp.float32)
+        grid, ints = (-(-T // TC_ROWS), B * H), (np.int32(T), np.int32(H), np.float32(scale))
+        _tc("attention_dq_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), dout, out, lse, delta, dqkv, *ints))
+        _tc("attention_dkv_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), dout, lse, delta, dqkv, *ints))
+        return dqkv
+    delta = attention_delta(dout, out, H)
+    args = (qkv, _or_null(bias), dout, lse, delta, dqkv, np.int32(T), np.int32(H), np.float32(scale))
     if version == 2:
-        args = (qkv, np.uint64(0) if bias is None else bias, dout, lse, delta, dqkv, np.int32(T), np.int32(H),
-                np.float32(scale))
         grid = (-(-T // ATT_ROWS), B * H)
         _k("attention_backward_dkv", D)(grid, (2 * ATT_ROWS,), args)
         _k("attention_backward_dq", D)(grid, (2 * ATT_ROWS,), args)

@@ -1,5 +1,5 @@
 // mma.cuh - the tensor-core helpers of step 2b, shared by step2_attention/mma_tile.cu (whose v1 writes the
-// instruction out) and step2_attention/flash_attention_tc.cu (which uses them).
+// instruction out), step2_attention/flash_attention_tc.cu and step4_gpt2/train_attention_tc.cu (which use them).
 // Included with #include "mma.cuh" (common/include is on the include path).
 //
 // Architectures: everything here needs sm_75 (ldmatrix, mma.sync m16n8k8), so it is compiled only there and
@@ -10,6 +10,26 @@
 // The 32-bit shared-memory address that ldmatrix and cp.async take, from a generic pointer into shared memory.
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; rows past the end are zero-filled (src-size 0 reads nothing).
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+#else
+    *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void copy_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 // d += A * B: A a 16x16 tile in row-major fragments a[0..3], B a 16x8 tile in column-major fragments b0, b1
