@@ -281,9 +281,9 @@ def train_attention_rows() -> list[Row]:
 
 def quality(steps: int = 300, eval_every: int = 100, data=None, batch: int = B, torch_too: bool = True,
             progress: bool = False) -> tuple[dict, object]:
-    """Ours and PyTorch eager trained for the same steps on the same batches from the same weights:
-    ({name: {"val": [...], "val_steps": [...], "train": [...], "seconds": s}}, our trainer), val loss on
-    the same fixed validation batches. Needs the Shakespeare corpus (step 3's loader)."""
+    """Ours (one CUDA graph per step, as the notebook trains) and PyTorch eager trained for the same steps on the
+    same batches from the same weights: ({name: {"val": [...], "val_steps": [...], "train": [...], "seconds": s}},
+    our trainer), val loss on the same fixed validation batches. Needs the Shakespeare corpus (step 3's loader)."""
     import cupy as cp
     from step4_gpt2 import train_torch as TT
     from step4_gpt2.train import EVAL_SEED, Data, Trainer, TrainConfig, TrainGPT, init_params, shakespeare_char
@@ -292,7 +292,7 @@ def quality(steps: int = 300, eval_every: int = 100, data=None, batch: int = B, 
     tc = TrainConfig(batch_size=batch, max_steps=steps, warmup=min(100, steps // 10), eval_every=eval_every)
     P = init_params(cfg, 0)
     out = {}
-    trainer = Trainer(TrainGPT(cfg, P), tc)
+    trainer = Trainer(TrainGPT(cfg, P), tc, graph=True)
     h = trainer.fit(data, steps, progress=progress)
     out["ours"] = {"val": h.val, "val_steps": h.val_steps, "train": h.train, "steps": h.steps,
                    "seconds": h.seconds, "tokens_per_s": h.tokens_per_s}
