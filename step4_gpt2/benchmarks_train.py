@@ -144,13 +144,36 @@ def _throughput_rows(compile_torch: bool, steps: int, vocab_size: int, what: str
     return rows
 
 
+def _as_graph(fn):
+    """fn's GPU work recorded once as a CUDA graph, and a function that replays it on the current stream, or fn
+    itself where it cannot be recorded (cupy.matmul): a piece made of many short launches is then timed without
+    the host's gaps between them, as it runs inside the step's own graph. Temporaries come from a memory pool of
+    the graph's own, which a first run fills (nothing may be allocated during a capture)."""
+    import cupy as cp
+    from common import capture_graph
+    pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
+    try:
+        with cp.cuda.using_allocator(pool.malloc):
+            with stream:
+                fn()
+            stream.synchronize()
+            graph = capture_graph(fn, stream)
+    except Exception:               # CuPy refuses to capture its cuBLAS calls
+        return fn, False
+
+    def replay(_keep=(graph, pool)):
+        graph.launch(cp.cuda.get_current_stream())
+    return replay, True
+
+
 def train_breakdown_rows() -> list[Row]:
-    """Where one step's GPU time goes: each kernel family timed alone on the step's own buffers, as many
-    calls as one step makes, and its share of the whole step (CUDA events, median)."""
+    """Where one step's GPU time goes: each kernel family recorded as a CUDA graph (as the step runs, one graph
+    per step) and timed alone on the step's own buffers, as many calls as one step makes, and its share of the
+    whole step (CUDA events, median)."""
     import cupy as cp
     from common.cublas import gemm
     from step4_gpt2 import train_ops as ops
-    trainer, _ = ours_step()
+    trainer, _ = ours_step(graph=True)
     m = trainer.model
     cfg, P, G = m.config, m.params, m.grads
     L, C, H, N = cfg.n_layer, cfg.n_embd, cfg.n_head, B * T
@@ -193,7 +216,8 @@ def train_breakdown_rows() -> list[Row]:
     for label, kw in (("forward GEMMs", dict(split=None, dx=False)), ("input-gradient GEMMs (dx)", dict(split=None, forward=False)),
                       ("weight-gradient GEMMs (dW), one GEMM each", dict(split=False, forward=False, dx=False)),
                       ("dW GEMMs split over rows (split-K)", dict(split=True, forward=False, dx=False))):
-        t = bench(lambda kw=kw: gemms(**kw), name=label, flops=third)
+        fn, graphed = _as_graph(lambda kw=kw: gemms(**kw))
+        t = bench(fn, name=label if graphed else f"{label}, launched one by one", flops=third)
         rows.append(Row.of(t, SIZE, ceiling=("fp32 peak", common.fp32_peak_tflops())))
     torch = torch_cuda()
     if torch is not None:                         # what PyTorch's own dW GEMMs (one torch.mm each) take
@@ -218,12 +242,14 @@ def train_breakdown_rows() -> list[Row]:
         "fused classifier": (lambda: ops.classifier(a.logits, y.reshape(N), losses=a.losses, grad=False), None),
         "grad-norm clip + AdamW (one launch)": (lambda: (ops.clip_grad_norm(m.gflat, 1.0), trainer.opt.step(G)), None),
     }
-    rows.insert(0, Row("whole training step (ours)", SIZE, whole.median_ms, rate=N / (whole.median_ms * 1e-3), unit="tok/s"))
+    rows.insert(0, Row("whole training step (ours, one CUDA graph)", SIZE, whole.median_ms, rate=N / (whole.median_ms * 1e-3),
+                       unit="tok/s"))
     rows.insert(1, Row("whole step, host clock from idle", SIZE, whole.wall_median_ms, rate=N / (whole.wall_median_ms * 1e-3),
                        unit="tok/s"))
     total = 0.0
     for name, (fn, flops) in pieces.items():
-        t = bench(fn, name=name, flops=flops)
+        fn, graphed = _as_graph(fn)
+        t = bench(fn, name=name if graphed else f"{name}, launched one by one", flops=flops)
         total += t.median_ms
         r = Row.of(t, SIZE)
         r.ceiling, r.fraction = "of the step", t.median_ms / whole.median_ms
