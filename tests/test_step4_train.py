@@ -367,6 +367,26 @@ def test_attention_backward(B, T, H, D, version):
 
 
 @gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("version", [2, 3])
+def test_attention_without_bias(version):
+    """bias=None (a qkv buffer that already holds its bias): the same as a zero bias."""
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    skip_without_tensor_cores(version)
+    B, T, H, D = 2, 70, 3, 64
+    qkv, dout, zero = rnd(B, T, 3 * H * D, seed=7), rnd(B, T, H * D, seed=8), np.zeros(3 * H * D, np.float32)
+    out, lse = poison(cp.empty((B, T, H * D), cp.float32)), poison(cp.empty((B, H, T), cp.float32))
+    ops.attention_forward(cuda(qkv), None, H, out=out, lse=lse, version=version)
+    ro, rl = R.attention_forward(qkv, zero, H)
+    assert_close(out, ro, rtol=2e-6)
+    assert_close(lse, rl, rtol=2e-6)
+    dqkv = poison(cp.empty((B, T, 3 * H * D), cp.float32))
+    ops.attention_backward(cuda(dout), cuda(qkv), None, out, lse, H, dqkv=dqkv, version=version)
+    assert_close(dqkv, R.attention_backward(dout, qkv, zero, H), rtol=1e-5)
+
+
+@gpu
 def test_matmul_backward_and_classifier():
     import cupy as cp
     from step4_gpt2 import train_ops as ops
