@@ -44,6 +44,39 @@ def test_reference_model_matches_torch_autograd(cfg, B, T):
         assert max_rel_error(G[k], TG[k]) < 1e-10, k
 
 
+def test_tf32_reference_rounds_to_nearest_ties_away():
+    one = np.float32(1.0)
+    ulp = np.float32(2.0 ** -10)                       # TF32's step just above 1
+    x = np.array([1, 1 + 2.0 ** -11, 1 + 2.0 ** -10 + 2.0 ** -11, -(1 + 2.0 ** -11), 1 + 2.0 ** -12, 1 - 2.0 ** -24],
+                 np.float32)
+    want = np.array([1, 1 + ulp, 1 + 2 * ulp, -(1 + ulp), 1, 1], np.float32)   # ties go away from zero
+    assert np.array_equal(R.tf32(x), want)
+    r = np.random.default_rng(0).standard_normal(100_000).astype(np.float32) * np.float32(1e3)
+    t = R.tf32(r)
+    assert not np.any(t.view(np.uint32) & np.uint32(0x1FFF))                   # 10 mantissa bits left
+    assert np.max(np.abs(r - t) / np.abs(r)) <= 2.0 ** -11
+    assert np.array_equal(R.tf32(t), t) and one == R.tf32(one)
+    small = R.tf32(r - t)                                                     # 3xTF32's split
+    assert np.max(np.abs(r - (t + small)) / np.abs(r)) <= 2.0 ** -22
+
+
+@gpu
+def test_tf32_reference_matches_the_hardware():
+    """R.tf32 is the rounding PTX's cvt.rna.tf32.f32 does on this GPU (train_attention_tc.cu splits with it)."""
+    import cupy as cp
+    skip_without_tensor_cores(3)
+    k = cp.RawKernel(r"""extern "C" __global__ void k(const float* x, float* y, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x; unsigned r;
+        if (i < n) { asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x[i])); y[i] = __uint_as_float(r); } }""", "k")
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(50_000).astype(np.float32) * np.float32(1e4),
+                        (np.float32(1) + np.arange(-64, 64, dtype=np.float32) * np.float32(2.0 ** -11)),   # ties
+                        -(np.float32(3) + np.arange(64, dtype=np.float32) * np.float32(2.0 ** -10))])
+    y = poison(cp.empty(x.size, cp.float32))
+    k((-(-x.size // 256),), (256,), (cuda(x), y, np.int32(x.size)))
+    assert np.array_equal(y.get(), R.tf32(x))
+
+
 @needs_torch
 def test_reference_layers_match_torch_autograd():
     rng = np.random.default_rng(1)

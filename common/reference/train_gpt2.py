@@ -20,7 +20,7 @@ from common.reference.ops import attention_scores, cross_entropy, f64, gelu, gel
 __all__ = ["encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
            "attention_forward", "attention_backward", "gelu_bias_forward", "gelu_bias_backward",
            "matmul_backward", "bias_grad", "classifier", "adamw_init", "adamw_step", "is_decayed",
-           "clip_grad_norm", "lr_at", "forward_backward"]
+           "clip_grad_norm", "lr_at", "forward_backward", "tf32"]
 
 
 # ---------------------------------------------------------------- embeddings
@@ -94,6 +94,16 @@ def attention_backward(dout, qkv, bias, n_head: int):
 
 
 # ---------------------------------------------------------------- MLP pieces
+def tf32(x) -> np.ndarray:
+    """float32 x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as PTX's
+    cvt.rna.tf32.f32 does (train_attention_tc.cu): the result is a float32 whose low 13 mantissa bits are zero.
+    Adding half of the dropped range to the magnitude bits carries into the kept ones exactly when the dropped
+    part is at least half (a carry out of the mantissa bumps the exponent, as rounding up should); NaN and
+    infinity are not handled (the kernels never see them)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
 def gelu_bias_forward(h, bias):
     """(pre, out): pre = h + bias (kept for the backward pass), out = gelu(pre)."""
     pre = f64(h) + f64(bias)
