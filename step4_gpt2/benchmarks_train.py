@@ -5,8 +5,9 @@ through common.cublas in plain fp32; torch with TF32 switched off by common.torc
 Rows: tokens/s of a whole training step (forward, backward, clipping, AdamW), ours launched one by one and
 replayed as one CUDA graph, against the same model and step in PyTorch eager and torch.compile (same batch,
 same GPU, same run); where the time of one step goes
-(GEMMs vs every other kernel family); attention backward v1 (materialised probabilities) vs v2
-(flash-style) at T = 256 and 1024. `quality()` trains ours and PyTorch's for the same steps on the same
+(GEMMs vs every other kernel family, each timed as a CUDA graph); attention forward v2 vs v3 and backward v1
+(materialised probabilities) vs v2 (flash-style, FMA units) vs v3 (tensor cores, 3xTF32), beside PyTorch's SDPA,
+at T = 256 and 1024. `quality()` trains ours and PyTorch's for the same steps on the same
 batches and reports the validation loss and wall time of each (the notebook and the docs call it).
 
     python -m step4_gpt2.benchmarks_train            # or: python -m common.benchmarks --only step4_gpt2:train
@@ -297,11 +298,11 @@ def train_attention_rows() -> list[Row]:
             tb = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True),
                        name=f"torch SDPA backward T={T_}", flops=5 * causal)
             rows += [Row.of(tf, size), Row.of(tb, size)]
-            best = max(bwd)
-            rows.append(Row(f"attention forward v{best} vs torch T={T_}", size, fwd[best].median_ms,
-                            anchor="torch SDPA fp32", ratio=tf.median_ms / fwd[best].median_ms))
-            rows.append(Row(f"attention backward v{best} vs torch T={T_}", size, bwd[best].median_ms,
-                            anchor="torch SDPA fp32", ratio=tb.median_ms / bwd[best].median_ms))
+            newest = max(bwd)                   # the training step's default on this GPU
+            rows.append(Row(f"attention forward v{newest} vs torch T={T_}", size, fwd[newest].median_ms,
+                            anchor="torch SDPA fp32", ratio=tf.median_ms / fwd[newest].median_ms))
+            rows.append(Row(f"attention backward v{newest} vs torch T={T_}", size, bwd[newest].median_ms,
+                            anchor="torch SDPA fp32", ratio=tb.median_ms / bwd[newest].median_ms))
     return rows
 
 

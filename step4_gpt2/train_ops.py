@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import allow_dynamic_smem, expect_array, expect_choice, get_kernel, launch_grid, out_array
-from common.device import device_info, require_arch
+from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, get_kernel, launch_grid, out_array,
+                    require_arch)
 from common.cublas import gemm
 
 CU = Path(__file__).resolve().parent / "train_gpt2.cu"
