@@ -27,12 +27,17 @@
 //                          writes out and lse.
 //   attention_dkv_tc       a warp owns 16 keys (K, V in registers); walks the query tiles from its first key:
 //                          S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T,
-//                          dS^T = P^T (dP^T - delta), dK += dS^T Q.
-//   attention_dq_tc        a warp owns 16 queries; first delta = dO . O for its rows (written for dkv), then
-//                          walks the key tiles up to its last query: S, P, dP = dO V^T, dS, dQ += dS K.
+//                          dS^T = P^T (dP^T - delta), dK += dS^T Q; and writes dS to memory.
+//   attention_dq_tc        a warp owns 16 queries: dQ += dS K over the key tiles, dS read back from memory.
+// Recompute or store? dQ needs dS with the queries as rows, and dkv holds it with the keys as rows. Version 2
+// recomputes S and dP for dQ, two of its seven products; here dkv writes dS once (the causal half of T x T
+// floats) and dQ reads it back: per score, 8 bytes of DRAM traffic instead of 2 x 3 x 64 x 2 tensor-core FLOPs,
+// a trade that paid at T = 256 and at T = 1024 (benchmarks_train.py times both; docs/training.md has the numbers).
+// dS is kept as 16 x 16 tiles of the lower triangle only: tile (qt, kt), kt <= qt, at qt (qt + 1) / 2 + kt,
+// each [key][query], the order dkv's accumulator holds it in, so its float2 stores fill 32-byte sectors.
 // As in v2 there are no atomics: each output row has one owner, so the results are the same bits every run.
-// delta (dO . O per row) is written by attention_dq_tc, which runs first. Exponentials are in the exp2 domain:
-// Q (or K) is scaled by scale * log2(e) as it is loaded.
+// delta (dO . O per row) comes from train_gpt2.cu's attention_delta, launched first. Exponentials are in the exp2
+// domain: Q (or K) is scaled by scale * log2(e) as it is loaded.
 //
 // Operands are split where they are read: the A fragments from registers, the B fragments from the fp32 tiles in
 // shared memory (plus the bias, kept there too: cp.async copies bytes and cannot add it).
@@ -54,8 +59,8 @@
 #define WARPS 4
 #define ROWS (16 * WARPS)     // queries (or keys) a block owns
 #define KEY_TILE 32           // keys per shared-memory tile in the forward
-#define QUERY_TILE 16         // queries per tile in dK, dV, and keys per tile in dQ: the backward kernels hold
-#define DQ_TILE 16            // more in registers (K, V, dK, dV or Q, dO, dQ), which leaves less for a tile
+#define QUERY_TILE 16         // queries per tile in dK, dV: that kernel holds K, V, dK, dV in registers
+#define DQ_TILE 32            // keys per tile in dQ (two 16 x 16 tiles of dS)
 #define TS (D + 4)            // shared row stride in floats
 #define NEG_INF __int_as_float(0xff800000)
 #define LOG2E 1.4426950408889634f
@@ -307,11 +312,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_forward_tc
 }
 
 // ----------------------------------------------------------------------------------------------- backward
-// dK, dV: a warp owns 16 keys; block 0 (the first keys, the most queries) starts first.
+// dK, dV and dS: a warp owns 16 keys; block 0 (the first keys, the most queries) starts first.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dkv_tc(
         const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ dout,
         const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dqkv,
-        int T, int H, float scale) {
+        float* __restrict__ ds, int T, int H, float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) Tile<QUERY_TILE> qs, dos;
     __shared__ float qb[D];
@@ -327,6 +332,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dkv_tc(
     for (int nt = 0; nt < KD; ++nt) zero(dk[nt]), zero(dv[nt]);
     const float* lse_bh = lse + (long long)bh * T;
     const float* delta_bh = delta + (long long)bh * T;
+    // This thread's place in dS tile (qt, k0 / 16) is ds_k + qt (qt + 1) / 2 * 256. train_ops always passes ds;
+    // the null test costs nothing and, measured, keeps ptxas from spilling 28 bytes (sm_90) in this 255-register kernel.
+    const int nt16 = (T + 15) / 16;
+    float* ds_k = !ds ? nullptr : ds + ((long long)bh * (nt16 * (nt16 + 1) / 2) + k0 / 16) * 256 + g * 16 + 2 * t;
     for (int i0 = j0, it = 0; i0 < T; i0 += QUERY_TILE, ++it) {
         const int cur = it & 1;
         fetch2<QUERY_TILE>(qs, q_src, 3 * C, dos, do_src, C, cur ^ 1, i0 + QUERY_TILE, T, T);
@@ -355,6 +364,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dkv_tc(
                     dp[nt][e] = p * (dp[nt][e] - dl[nt][e & 1]);
                 }
             product_acc<QUERY_TILE, false>(dv, s, dos.v[cur], nullptr, g, t); // dV += P^T dO
+            if (ds_k) {
+                float* tile = ds_k + (i0 / 16) * (i0 / 16 + 1) / 2 * 256;        // dS for attention_dq_tc
+#pragma unroll
+                for (int nt = 0; nt < QUERY_TILE / 8; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        *reinterpret_cast<float2*>(tile + i * 128 + nt * 8) = make_float2(dp[nt][2 * i], dp[nt][2 * i + 1]);
+            }
             product_acc<QUERY_TILE>(dk, dp, qs.v[cur], qb, g, t);      // dK += dS^T Q
         }
         __syncthreads();
@@ -375,67 +392,61 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dkv_tc(
 #endif
 }
 
-// dQ: a warp owns 16 queries; the blocks with the most keys start first. It runs before attention_dkv_tc and
-// writes delta (dO . O per query row) for it: the rows of dO are in its registers anyway, so no kernel of its own.
+// dQ = dS K from the dS attention_dkv_tc stored: one product, not three. A warp owns 16 queries, one row of dS
+// tiles, and reads the A fragments of the next key tile from memory while it multiplies this one; K tiles stream
+// through shared memory. Keys past the warp's last query are zeros (tiles above the diagonal were never written).
+__device__ __forceinline__ void load_ds(float (&c)[DQ_TILE / 8][4], const float* __restrict__ row, int kt0, int qt,
+                                        int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < DQ_TILE / 8; ++kk) {
+        const int ktile = kt0 + kk / 2;
+        const float* p = row + (long long)ktile * 256 + ((kk % 2) * 8 + 2 * t) * 16 + g;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[kk][e] = ktile <= qt ? __ldg(p + (e & 1) * 16 + (e >> 1) * 8) : 0.0f;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dq_tc(
-        const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ dout,
-        const float* __restrict__ out, const float* __restrict__ lse, float* __restrict__ delta,
+        const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ ds,
         float* __restrict__ dqkv, int T, int H, float scale) {
 #if __CUDA_ARCH__ >= 800
-    __shared__ __align__(16) Tile<DQ_TILE> ks, vs;
-    __shared__ float kb[D], vb[D];
-    QKV_OFFSETS
+    __shared__ __align__(16) float ks[2][DQ_TILE][TS];
+    __shared__ float kb[D];
+    const int C = H * D, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const float* k_src = qkv + (long long)b * T * 3 * C + C + h * D;
+    const float* k_bias = bias ? bias + C + h * D : nullptr;
     const int row0 = (gridDim.x - 1 - blockIdx.x) * ROWS, r0 = row0 + warp * 16;
-    const int last = min(T, row0 + ROWS);
-    fetch2<DQ_TILE>(ks, k_src, 3 * C, vs, v_src, 3 * C, 0, 0, last, T);
+    const int last = min(T, row0 + ROWS), qt = r0 / 16, nt16 = (T + 15) / 16;
+    const float* row = ds + ((long long)bh * (nt16 * (nt16 + 1) / 2) + qt * (qt + 1) / 2) * 256;
+    const bool active = r0 < T;
+    fetch<DQ_TILE>(ks[0], k_src, 3 * C, 0, T);
+    copy_commit();
     load_bias(kb, k_bias);
-    load_bias(vb, v_bias);
-    float q[KD][4], dO[KD][4], dq[KD][4], l2[2], dl[2];
-    load_a(q, q_src, 3 * C, q_bias, r0, T, scale * LOG2E, g, t);
-    load_a(dO, dout + (long long)b * T * C + h * D, C, nullptr, r0, T, 1.0f, g, t);
-    const float* o_src = out + (long long)b * T * C + h * D;
-    dl[0] = dl[1] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KD; ++ks)                            // this thread's share of its two rows' dO . O
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + g + (i & 1) * 8, c = ks * 8 + t + (i >> 1) * 4;
-            if (r < T) dl[i & 1] += dO[ks][i] * o_src[(long long)r * C + c];
-        }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int row = r0 + g + i * 8;
-        dl[i] = quad_sum(dl[i]);
-        l2[i] = row < T ? lse[(long long)bh * T + row] * LOG2E : 0.0f;
-        if (t == 0 && row < T) delta[(long long)bh * T + row] = dl[i];
-    }
+    float dq[KD][4], c[DQ_TILE / 8][4], nx[DQ_TILE / 8][4];
 #pragma unroll
     for (int nt = 0; nt < KD; ++nt) zero(dq[nt]);
+    if (active) load_ds(nx, row, 0, qt, g, t);
     for (int j0 = 0, it = 0; j0 < last; j0 += DQ_TILE, ++it) {
         const int cur = it & 1;
-        fetch2<DQ_TILE>(ks, k_src, 3 * C, vs, v_src, 3 * C, cur ^ 1, j0 + DQ_TILE, last, T);
+        if (j0 + DQ_TILE < last) fetch<DQ_TILE>(ks[cur ^ 1], k_src, 3 * C, j0 + DQ_TILE, T);
+        copy_commit();
         wait_tiles();
-        if (j0 <= r0 + 15) {
-            float s[DQ_TILE / 8][4], dp[DQ_TILE / 8][4];
-            product_t<DQ_TILE>(s, q, ks.v[cur], kb, g, t);      // S = Q K^T (log2 domain)
-            product_t<DQ_TILE>(dp, dO, vs.v[cur], vb, g, t);    // dP = dO V^T
+        if (active && j0 <= r0 + 15) {
 #pragma unroll
-            for (int nt = 0; nt < DQ_TILE / 8; ++nt)
+            for (int kk = 0; kk < DQ_TILE / 8; ++kk)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = j0 + nt * 8 + 2 * t + (e & 1), row = r0 + g + (e >> 1) * 8;
-                    const float p = (key <= row && row < T) ? exp2f(s[nt][e] - l2[e >> 1]) : 0.0f;
-                    dp[nt][e] = p * (dp[nt][e] - dl[e >> 1]);   // dS
-                }
-            product_acc<DQ_TILE>(dq, dp, ks.v[cur], kb, g, t);  // dQ += dS K
+                for (int e = 0; e < 4; ++e) c[kk][e] = nx[kk][e];
+            if (j0 + DQ_TILE <= r0 + 15) load_ds(nx, row, (j0 + DQ_TILE) / 16, qt, g, t);
+            product_acc<DQ_TILE>(dq, c, ks[cur], kb, g, t);     // dQ += dS K
         }
         __syncthreads();
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int row = r0 + g + i * 8;
-        if (row >= T) continue;
-        float* dst = dqkv + ((long long)b * T + row) * 3 * C + h * D + 2 * t;
+        const int r = r0 + g + i * 8;
+        if (r >= T) continue;
+        float* dst = dqkv + ((long long)b * T + r) * 3 * C + h * D + 2 * t;
 #pragma unroll
         for (int nt = 0; nt < KD; ++nt)
             *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(dq[nt][2 * i] * scale, dq[nt][2 * i + 1] * scale);

@@ -277,7 +277,8 @@ def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, versio
     """dqkv (B, T, 3C) of causal attention, from dout (B, T, C) and the forward's out and lse. The qkv bias
     gradient is column_sum(dqkv). version 1 writes the T x T probabilities (and dP) to memory and uses
     cuBLAS batched GEMMs; version 2 recomputes them tile by tile from lse and never writes a T x T matrix;
-    version 3 does what 2 does on tensor cores (3xTF32); None: default_attention_version()."""
+    version 3 runs on tensor cores (3xTF32) and writes dS once (the causal half of T x T) for the dQ kernel,
+    where version 2 recomputes S and dP; None: default_attention_version()."""
     import cupy as cp
     version = _attention_version(version)
     qkv, B, T, C, D = _qkv_shape(qkv, n_head)
@@ -291,11 +292,13 @@ def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, versio
     if not dqkv.size:
         return dqkv
     scale = 1.0 / math.sqrt(D)
-    if version == 3:                 # attention_dq_tc writes delta, then attention_dkv_tc reads it
-        delta = cp.empty((B, H, T), cp.float32)
+    if version == 3:                 # dkv writes dS (16 x 16 tiles of the lower triangle), dq reads it back
+        delta = attention_delta(dout, out, H)
+        nt = -(-T // 16)
+        ds = cp.empty(B * H * (nt * (nt + 1) // 2) * 256, cp.float32)
         grid, ints = (-(-T // TC_ROWS), B * H), (np.int32(T), np.int32(H), np.float32(scale))
-        _tc("attention_dq_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), dout, out, lse, delta, dqkv, *ints))
-        _tc("attention_dkv_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), dout, lse, delta, dqkv, *ints))
+        _tc("attention_dkv_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), dout, lse, delta, dqkv, ds, *ints))
+        _tc("attention_dq_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), ds, dqkv, *ints))
         return dqkv
     delta = attention_delta(dout, out, H)
     args = (qkv, _or_null(bias), dout, lse, delta, dqkv, np.int32(T), np.int32(H), np.float32(scale))
