@@ -176,10 +176,18 @@ extern "C" __global__ void column_finish(const float* __restrict__ partial, floa
 // ---------------------------------------------------------------------------------------------- GELU
 // h (the c_fc GEMM's output) stays as it is: the backward adds the bias again rather than have the forward
 // write h + b back (one pass fewer over the biggest activation).
+// The bias index is the column, i % cols: one 64-bit division per thread, then the column moves on by
+// stride % cols each step (a 64-bit division per element costs about as much as the memory traffic).
 extern "C" __global__ void gelu_bias_forward(const float* __restrict__ h, const float* __restrict__ bias,
                                              float* __restrict__ out, long long n, int cols) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        out[i] = gelu_tanh(h[i] + bias[i % cols]);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const int step = (int)(stride % cols);
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int c = (int)(i % cols); i < n; i += stride) {
+        out[i] = gelu_tanh(h[i] + bias[c]);
+        c += step;
+        if (c >= cols) c -= cols;
+    }
 }
 
 // ----------------------------------------------------------------------------------------- LayerNorm
