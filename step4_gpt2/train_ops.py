@@ -2,7 +2,7 @@
 
 Every function takes CuPy float32 arrays (token ids int32), checks them with common.expect_array (the error
 names the argument), and writes into `out=`-style buffers when given, so the step's activations and gradients are
-allocated once (the reductions' partial sums and the attention backward's row terms are still per call).
+allocated once (the reductions' partial sums, and the attention backward's row terms and stored dS, are still per call).
 The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu), the attention
 forward is step 2's flash attention (flash_attention.cu), asked to save each row's log-sum-exp, or, in version 3,
 the tensor-core kernels of train_attention_tc.cu (forward and backward at fp32 accuracy, 3xTF32); the global
