@@ -176,8 +176,9 @@ extern "C" __global__ void column_finish(const float* __restrict__ partial, floa
 // ---------------------------------------------------------------------------------------------- GELU
 // h (the c_fc GEMM's output) stays as it is: the backward adds the bias again rather than have the forward
 // write h + b back (one pass fewer over the biggest activation).
-// The bias index is the column, i % cols: one 64-bit division per thread, then the column moves on by
-// stride % cols each step (a 64-bit division per element costs about as much as the memory traffic).
+// The bias index is the column, i % cols: two 64-bit divisions per thread (i % cols, stride % cols), then the
+// column moves on by stride % cols each step (a 64-bit division per element costs about as much as the memory
+// traffic).
 extern "C" __global__ void gelu_bias_forward(const float* __restrict__ h, const float* __restrict__ bias,
                                              float* __restrict__ out, long long n, int cols) {
     const long long stride = (long long)gridDim.x * blockDim.x;

@@ -32,6 +32,7 @@ DEFINES = {"ATT_ROWS": ATT_ROWS, "COLS": COLS, "ROWS": ROWS, "FINISH_ROWS": FINI
 CU_DEFINES = {CU: DEFINES}            # for tests/test_compile.py (HEAD_DIM: the .cu's default, 64)
 CHUNK_ROWS = 256                      # rows per partial in the column sums
 LN_ROWS_PER_BLOCK = 32                # layernorm_backward: rows per block (8 per warp)
+V3_MAX_T = 65536                      # attention v3: a head's (T/16)^2/2 dS tiles of 256 floats, below 2^31
 BLOCK = 256
 EMBEDDING_VERSIONS = (1, 2)           # 1: atomicAdd scatter; 2: sorted, deterministic
 # Attention: 1 materialises P in the backward (cuBLAS); 2 is flash-style on the FMA units (recomputes P from lse);
@@ -293,6 +294,9 @@ def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, versio
         return dqkv
     scale = 1.0 / math.sqrt(D)
     if version == 3:                 # dkv writes dS (16 x 16 tiles of the lower triangle), dq reads it back
+        if T > V3_MAX_T:
+            raise ValueError(f"qkv: T = {T} is longer than attention version 3 takes ({V3_MAX_T}: its kernels "
+                             f"address a head's dS tiles with 32-bit offsets); use version=2")
         delta = attention_delta(dout, out, H)
         nt = -(-T // 16)
         ds = cp.empty(B * H * (nt * (nt + 1) // 2) * 256, cp.float32)

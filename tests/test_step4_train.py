@@ -400,6 +400,18 @@ def test_attention_backward(B, T, H, D, version):
 
 
 @gpu
+def test_attention_v3_refuses_a_sequence_longer_than_its_offsets():
+    import cupy as cp
+    from step4_gpt2 import train_ops as ops
+    skip_without_tensor_cores(3)
+    T = ops.V3_MAX_T + 1
+    qkv, dout = cp.zeros((1, T, 3 * 64), cp.float32), cp.zeros((1, T, 64), cp.float32)
+    out, lse = cp.zeros((1, T, 64), cp.float32), cp.zeros((1, 1, T), cp.float32)
+    with pytest.raises(ValueError, match="version=2"):
+        ops.attention_backward(dout, qkv, None, out, lse, 1, version=3)
+
+
+@gpu
 @pytest.mark.sanitize
 @pytest.mark.parametrize("version", [2, 3])
 def test_attention_without_bias(version):
