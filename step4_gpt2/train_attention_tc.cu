@@ -214,6 +214,21 @@ __device__ __forceinline__ void wait_tiles() {
 }
 #endif
 
+// Rows r0 + g and r0 + g + 8 of a warp's 16 x D accumulator, times mul, into rows of dst (`stride` floats apart,
+// the accumulator's column 0 at dst); rows at or past T are not written.
+__device__ __forceinline__ void store_rows(float* dst, long long stride, const float (&acc)[KD][4], float mul, int r0,
+                                           int T, int g, int t) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = r0 + g + i * 8;
+        if (r >= T) continue;
+        float* p = dst + r * stride + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < KD; ++nt)
+            *reinterpret_cast<float2*>(p + nt * 8) = make_float2(acc[nt][2 * i] * mul, acc[nt][2 * i + 1] * mul);
+    }
+}
+
 __device__ __forceinline__ void load_bias(float* dst, const float* __restrict__ bias) {
     for (int c = threadIdx.x; c < D; c += blockDim.x) dst[c] = bias ? bias[c] : 0.0f;
 }
@@ -376,17 +391,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dkv_tc(
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int key = k0 + g + i * 8;
-        if (key >= T) continue;
-        float* dst = dqkv + ((long long)b * T + key) * 3 * C + h * D + 2 * t;
-#pragma unroll
-        for (int nt = 0; nt < KD; ++nt) {
-            *reinterpret_cast<float2*>(dst + C + nt * 8) = make_float2(dk[nt][2 * i] * scale, dk[nt][2 * i + 1] * scale);
-            *reinterpret_cast<float2*>(dst + 2 * C + nt * 8) = make_float2(dv[nt][2 * i], dv[nt][2 * i + 1]);
-        }
-    }
+    float* dst = dqkv + (long long)b * T * 3 * C + h * D;
+    store_rows(dst + C, 3 * C, dk, scale, k0, T, g, t);
+    store_rows(dst + 2 * C, 3 * C, dv, 1.0f, k0, T, g, t);
 #else
     __trap();
 #endif
@@ -442,15 +449,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dq_tc(
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = r0 + g + i * 8;
-        if (r >= T) continue;
-        float* dst = dqkv + ((long long)b * T + r) * 3 * C + h * D + 2 * t;
-#pragma unroll
-        for (int nt = 0; nt < KD; ++nt)
-            *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(dq[nt][2 * i] * scale, dq[nt][2 * i + 1] * scale);
-    }
+    store_rows(dqkv + (long long)b * T * 3 * C + h * D, 3 * C, dq, scale, r0, T, g, t);
 #else
     __trap();
 #endif

@@ -292,19 +292,18 @@ def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, versio
     dqkv = out_array(dqkv, (B, T, 3 * C), name="dqkv")
     if not dqkv.size:
         return dqkv
+    if version == 3 and T > V3_MAX_T:
+        raise ValueError(f"qkv: T = {T} is longer than attention version 3 takes ({V3_MAX_T}: its kernels "
+                         f"address a head's dS tiles with 32-bit offsets); use version=2")
     scale = 1.0 / math.sqrt(D)
+    delta = attention_delta(dout, out, H)
     if version == 3:                 # dkv writes dS (16 x 16 tiles of the lower triangle), dq reads it back
-        if T > V3_MAX_T:
-            raise ValueError(f"qkv: T = {T} is longer than attention version 3 takes ({V3_MAX_T}: its kernels "
-                             f"address a head's dS tiles with 32-bit offsets); use version=2")
-        delta = attention_delta(dout, out, H)
         nt = -(-T // 16)
         ds = cp.empty(B * H * (nt * (nt + 1) // 2) * 256, cp.float32)
         grid, ints = (-(-T // TC_ROWS), B * H), (np.int32(T), np.int32(H), np.float32(scale))
         _tc("attention_dkv_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), dout, lse, delta, dqkv, ds, *ints))
         _tc("attention_dq_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), ds, dqkv, *ints))
         return dqkv
-    delta = attention_delta(dout, out, H)
     args = (qkv, _or_null(bias), dout, lse, delta, dqkv, np.int32(T), np.int32(H), np.float32(scale))
     if version == 2:
         grid = (-(-T // ATT_ROWS), B * H)
