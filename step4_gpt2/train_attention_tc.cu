@@ -417,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dq_tc(
         const float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ ds,
         float* __restrict__ dqkv, int T, int H, float scale) {
 #if __CUDA_ARCH__ >= 800
-    __shared__ __align__(16) float ks[2][DQ_TILE][TS];
+    __shared__ __align__(16) Tile<DQ_TILE> ks;
     __shared__ float kb[D];
     const int C = H * D, bh = blockIdx.y, b = bh / H, h = bh % H;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -427,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dq_tc(
     const int last = min(T, row0 + ROWS), qt = r0 / 16, nt16 = (T + 15) / 16;
     const float* row = ds + ((long long)bh * (nt16 * (nt16 + 1) / 2) + qt * (qt + 1) / 2) * 256;
     const bool active = r0 < T;
-    fetch<DQ_TILE>(ks[0], k_src, 3 * C, 0, T);
+    fetch<DQ_TILE>(ks.v[0], k_src, 3 * C, 0, T);
     copy_commit();
     load_bias(kb, k_bias);
     float dq[KD][4], c[DQ_TILE / 8][4], nx[DQ_TILE / 8][4];
@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dq_tc(
     if (active) load_ds(nx, row, 0, qt, g, t);
     for (int j0 = 0, it = 0; j0 < last; j0 += DQ_TILE, ++it) {
         const int cur = it & 1;
-        if (j0 + DQ_TILE < last) fetch<DQ_TILE>(ks[cur ^ 1], k_src, 3 * C, j0 + DQ_TILE, T);
+        if (j0 + DQ_TILE < last) fetch<DQ_TILE>(ks.v[cur ^ 1], k_src, 3 * C, j0 + DQ_TILE, T);
         copy_commit();
         wait_tiles();
         if (active && j0 <= r0 + 15) {
@@ -445,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dq_tc(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) c[kk][e] = nx[kk][e];
             if (j0 + DQ_TILE <= r0 + 15) load_ds(nx, row, (j0 + DQ_TILE) / 16, qt, g, t);
-            product_acc<DQ_TILE>(dq, c, ks[cur], kb, g, t);     // dQ += dS K
+            product_acc<DQ_TILE>(dq, c, ks.v[cur], kb, g, t);   // dQ += dS K
         }
         __syncthreads();
     }

@@ -176,11 +176,9 @@ def layernorm_forward(x, weight, bias, eps: float = 1e-5, y=None, ybias=None, ou
     out = out_array(out, (N, C))
     mean, rstd = out_array(mean, (N,), name="mean"), out_array(rstd, (N,), name="rstd")
     if N:
-        nul = np.uint64(0)
         _k("layernorm_forward")(launch_grid(N, BLOCK // 32), (BLOCK,),
-                                (x, nul if y is None else y, nul if ybias is None else ybias,
-                                 nul if y is None else resid, weight, bias, out, mean, rstd, np.int32(N), np.int32(C),
-                                 np.float32(eps)))
+                                (x, _or_null(y), _or_null(ybias), _or_null(resid if y is not None else None), weight,
+                                 bias, out, mean, rstd, np.int32(N), np.int32(C), np.float32(eps)))
     return (out, mean, rstd) if y is None else (resid, out, mean, rstd)
 
 

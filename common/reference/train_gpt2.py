@@ -93,7 +93,6 @@ def attention_backward(dout, qkv, bias, n_head: int):
     return np.concatenate([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)
 
 
-# ---------------------------------------------------------------- MLP pieces
 def tf32(x) -> np.ndarray:
     """float32 x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as PTX's
     cvt.rna.tf32.f32 does (train_attention_tc.cu): the result is a float32 whose low 13 mantissa bits are zero.
@@ -104,6 +103,7 @@ def tf32(x) -> np.ndarray:
     return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
+# ---------------------------------------------------------------- MLP pieces
 def gelu_bias_forward(h, bias):
     """(pre, out): pre = h + bias (kept for the backward pass), out = gelu(pre)."""
     pre = f64(h) + f64(bias)
