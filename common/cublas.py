@@ -28,7 +28,7 @@ CUBLAS_GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20            # what the cuBLAS guide recommends on Hopper; more than enough before
 
 _lib = None
-_handles: dict = {}                   # device id -> (handle, its workspace: cudaMalloc memory that outlives it)
+_handles: dict = {}                   # device id, or (device id, stream): (handle, its workspace, cudaMalloc'd)
 _ALPHA, _BETA = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
@@ -58,22 +58,39 @@ def _check(status: int, what: str):
                           f"CUBLAS_STATUS_INVALID_VALUE, 13 CUBLAS_STATUS_EXECUTION_FAILED)")
 
 
+def _new_handle():
+    """A handle with a workspace of its own: cuBLAS then allocates nothing per call, which is what lets a
+    capture record it. The workspace comes straight from cudaMalloc, not from a CuPy memory pool: the handle
+    outlives any pool that is current when it is made."""
+    import cupy as cp
+    h = ctypes.c_void_p()
+    _check(_cublas().cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+    return h, cp.cuda.Memory(WORKSPACE_BYTES)
+
+
 def _handle(stream_ptr: int):
-    """This device's handle, made once, bound to the stream, with a workspace of its own: cuBLAS then allocates
-    nothing per call, which is what lets a capture record it. cublasSetStream resets the workspace to cuBLAS's
-    default pool, so it is set again after every cublasSetStream. The workspace comes straight from
-    cudaMalloc, not from a CuPy memory pool: the handle outlives any pool that is current when it is made."""
+    """The handle of this stream if it has one (own_workspace), else this device's, bound to the stream.
+    cublasSetStream resets the workspace to cuBLAS's default pool, so it is set again after every call."""
     import cupy as cp
     dev = cp.cuda.Device().id
-    lib = _cublas()
-    if dev not in _handles:
-        h = ctypes.c_void_p()
-        _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
-        _handles[dev] = (h, cp.cuda.Memory(WORKSPACE_BYTES))
-    h, ws = _handles[dev]
+    key = (dev, stream_ptr) if (dev, stream_ptr) in _handles else dev
+    if key not in _handles:
+        _handles[key] = _new_handle()
+    lib, (h, ws) = _cublas(), _handles[key]
     _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream_ptr)), "cublasSetStream")
     _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.ptr), WORKSPACE_BYTES), "cublasSetWorkspace")
     return h
+
+
+def own_workspace(stream) -> None:
+    """Give `stream` a cuBLAS handle and workspace of its own, for GEMMs that run at the same time as GEMMs on
+    another stream (TrainGPT.backward's weight gradients): two GEMMs using one workspace at once would overwrite
+    each other's partial sums (the cuBLAS guide asks for a workspace per stream). Kept for the life of the
+    process (32 MB each), as a CUDA graph captured on the stream may still use it: for long-lived streams."""
+    import cupy as cp
+    key = (cp.cuda.Device().id, stream.ptr)
+    if key not in _handles:
+        _handles[key] = _new_handle()
 
 
 def tf32_enabled() -> bool:

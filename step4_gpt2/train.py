@@ -9,8 +9,8 @@
 
 A step is: encoder -> L x (LayerNorm, qkv GEMM, step 2's flash attention saving lse, proj GEMM, residual+LayerNorm,
 fc GEMM, bias+GELU, proj GEMM, residual+LayerNorm) -> LM-head GEMM (tied to wte) -> fused classifier, then
-the same backwards (train_gpt2.cu + cuBLAS), global grad-norm clipping, and one AdamW launch for all
-parameters (step 3's train_update.cu). Parameters and gradients each live in ONE flat buffer, so the norm
+the same backwards (train_gpt2.cu + cuBLAS; the weight gradients on a second stream, beside the rest of the
+pass), global grad-norm clipping, and one AdamW launch for all parameters (step 3's train_update.cu). Parameters and gradients each live in ONE flat buffer, so the norm
 and the clipping are single passes. Everything is deterministic: a run resumed from a checkpoint reproduces
 the uninterrupted run bit for bit. `Trainer(..., graph=True)` replays the whole step as one CUDA graph (the
 GEMMs go through common.cublas, which a capture can record; the learning rate is computed on the GPU).
@@ -153,8 +153,10 @@ class TrainGPT:
             self.params[k][...] = cp.asarray(np.asarray(params[k], dtype=np.float32))
             off += n
         self.attention_version, self.embedding_version = ops.default_attention_version(), 2
+        self.overlap_weight_grads = True
         self._acts: dict = {}
         self._a = None
+        self._side = None
 
     @property
     def n_params(self) -> int:
@@ -225,7 +227,15 @@ class TrainGPT:
         return losses.mean()
 
     def backward(self):
-        """Gradients of the last forward(grad=True) into self.grads (overwritten)."""
+        """Gradients of the last forward(grad=True) into self.grads (overwritten).
+
+        Each linear layer's weight gradient dW = x^T dy (and its bias's column sums) is needed only by the
+        optimiser; the pass goes on with dx = dy W^T alone. So with overlap_weight_grads they run on a second
+        stream, beside the rest of the pass (those GEMMs reduce over all N = B*T rows into a few output tiles,
+        and leave SMs idle that the other stream's kernels can use). An event after each of them makes the
+        pass wait before it overwrites what they read (dres, dh, dqkv); the last one before the embedding's
+        gradient, which adds into wte's, and before returning. The same kernels and bits either way."""
+        import cupy as cp
         a, cfg, P, G = self._a, self.config, self.params, self.grads
         if a is None:
             raise RuntimeError("backward: call forward(idx, targets, grad=True) first (once per backward)")
@@ -233,31 +243,61 @@ class TrainGPT:
         B, T, N, C, L, H = a.B, a.T, a.N, cfg.n_embd, cfg.n_layer, cfg.n_head
         p = lambda i, n: P[f"h.{i}.{n}"]  # noqa: E731
         g = lambda i, n: G[f"h.{i}.{n}"]  # noqa: E731
+        side = self._weight_grad_stream() if self.overlap_weight_grads else None
+        main = cp.cuda.get_current_stream()
+
+        def done():                     # an event after the weight-gradient stream's work so far
+            return side.record(cp.cuda.Event(disable_timing=True)) if side is not None else None
+
+        def wait(event):                # the pass goes on only once that work has read its inputs
+            if event is not None:
+                main.wait_event(event)
+
         gemm(a.logits, P["wte.weight"], a.dln)                          # a.logits now holds dlogits
-        ops.weight_grad(a.logits, a.lnf, out=G["wte.weight"])            # the LM head's share of dwte
+        with ops.beside(side):
+            ops.weight_grad(a.logits, a.lnf, out=G["wte.weight"])        # the LM head's share of dwte
         ops.layernorm_backward(a.dln, a.resid[L], P["ln_f.weight"], a.m1[L], a.r1[L], dx=a.dres,
                                dweight=G["ln_f.weight"], dbias=G["ln_f.bias"])
         dqkv = a.dqkv.reshape(N, 3 * C)
+        dh_read = dqkv_read = None
         for i in reversed(range(L)):
             # MLP: the residual's gradient a.dres is also the gradient of c_proj's output (and bias)
+            wait(dh_read)
             ops.matmul_backward(a.dres, a.h[i], p(i, "mlp.c_proj.weight"), dx=a.dh, dweight=g(i, "mlp.c_proj.weight"),
-                                dbias=g(i, "mlp.c_proj.bias"))
+                                dbias=g(i, "mlp.c_proj.bias"), stream=side)
+            dres_read = done()
             ops.gelu_bias_backward(a.dh, a.pre[i], p(i, "mlp.c_fc.bias"), dpre=a.dh, dbias=g(i, "mlp.c_fc.bias"))
             ops.matmul_backward(a.dh, a.ln2[i], p(i, "mlp.c_fc.weight"), dx=a.dln, dweight=g(i, "mlp.c_fc.weight"),
-                                dbias=False)                     # c_fc's bias gradient came with the GELU's
+                                dbias=False, stream=side)        # c_fc's bias gradient came with the GELU's
+            dh_read = done()
+            wait(dres_read)
             ops.layernorm_backward(a.dln, a.resid2[i], p(i, "ln_2.weight"), a.m2[i], a.r2[i], dx=a.dres,
                                    dweight=g(i, "ln_2.weight"), dbias=g(i, "ln_2.bias"), accumulate=True)
             # attention
             ops.matmul_backward(a.dres, a.atty[i].reshape(N, C), p(i, "attn.c_proj.weight"), dx=a.datty.reshape(N, C),
-                                dweight=g(i, "attn.c_proj.weight"), dbias=g(i, "attn.c_proj.bias"))
+                                dweight=g(i, "attn.c_proj.weight"), dbias=g(i, "attn.c_proj.bias"), stream=side)
+            dres_read = done()
+            wait(dqkv_read)
             ops.attention_backward(a.datty, a.qkv[i].reshape(B, T, 3 * C), p(i, "attn.c_attn.bias"), a.atty[i],
                                    a.lse[i], H, dqkv=a.dqkv, version=self.attention_version)
             ops.matmul_backward(dqkv, a.ln1[i], p(i, "attn.c_attn.weight"), dx=a.dln, dweight=g(i, "attn.c_attn.weight"),
-                                dbias=g(i, "attn.c_attn.bias"))
+                                dbias=g(i, "attn.c_attn.bias"), stream=side)
+            dqkv_read = done()
+            wait(dres_read)
             ops.layernorm_backward(a.dln, a.resid[i], p(i, "ln_1.weight"), a.m1[i], a.r1[i], dx=a.dres,
                                    dweight=g(i, "ln_1.weight"), dbias=g(i, "ln_1.bias"), accumulate=True)
+        wait(done())                    # all of it: the embedding adds into dwte, the optimiser reads every dW
         ops.encoder_backward(a.dres, a.idx, G["wte.weight"], G["wpe.weight"], version=self.embedding_version)
         return G
+
+    def _weight_grad_stream(self):
+        """The second stream of backward(), made once per model, with a cuBLAS workspace of its own."""
+        import cupy as cp
+        from common.cublas import own_workspace
+        if self._side is None:
+            self._side = cp.cuda.Stream(non_blocking=True)
+            own_workspace(self._side)
+        return self._side
 
     def loss_and_grads(self, idx, targets, check: bool = True):
         loss = self.forward(idx, targets, grad=True, check=check)

@@ -10,6 +10,7 @@ gradient-norm clipping is two CuPy-generated kernels (a reduction and an in-plac
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from pathlib import Path
@@ -361,17 +362,37 @@ def weight_grad(x, dy, out=None, splits: int | None = 1):
     return cp.sum(part, axis=0, out=out)
 
 
-def matmul_backward(dy, x, weight, dx=None, dweight=None, dbias=None):
+@contextlib.contextmanager
+def beside(stream):
+    """Inside, work goes to `stream` (None: stays on the current one), after all the current stream's work so
+    far; the current stream does not wait for it (record an event on `stream` for that). Inside a CUDA graph
+    capture the event pulls `stream` into the capture: the graph gets two branches."""
+    if stream is None:
+        yield
+        return
+    import cupy as cp
+    stream.wait_event(cp.cuda.get_current_stream().record(cp.cuda.Event(disable_timing=True)))
+    with stream:
+        yield
+
+
+def matmul_backward(dy, x, weight, dx=None, dweight=None, dbias=None, stream=None):
     """y = x @ W + b (Conv1D layout, W (in, out)): dx = dy W^T (cuBLAS, a transposed view, no copy),
-    dW = weight_grad(x, dy), db = column_sum(dy) (skipped when dbias is False)."""
+    dW = weight_grad(x, dy), db = column_sum(dy) (skipped when dbias is False).
+
+    stream: where dW and db run (default: the current stream, like dx). Only dx is on the backward pass's
+    critical path: on another stream, dW and db start after the current stream's work so far and run beside
+    what follows it. The caller then records an event on `stream` and makes the current stream wait for it
+    before anything overwrites dy or x or reads dW or db (TrainGPT.backward)."""
     dy = expect_array(dy, "dy", dtype=np.float32, ndim=2)
     N, n_out = dy.shape
     weight = expect_array(weight, "weight", dtype=np.float32, shape=(None, n_out))
     x = expect_array(x, "x", dtype=np.float32, shape=(N, weight.shape[0]))
     dx = gemm(dy, weight.T, out_array(dx, x.shape, name="dx"))
-    dweight = weight_grad(x, dy, out=dweight)
-    if dbias is not False:
-        dbias = column_sum(dy, out=dbias)
+    with beside(stream):
+        dweight = weight_grad(x, dy, out=dweight)
+        if dbias is not False:
+            dbias = column_sum(dy, out=dbias)
     return dx, dweight, dbias
 
 

@@ -502,6 +502,36 @@ def test_gradients_are_deterministic():
 
 
 @gpu
+def test_weight_grads_beside_the_pass_are_the_same_bits():
+    """backward() with the weight gradients on a second stream gives the bits of the one-stream pass, eager and
+    inside a CUDA graph: a missing wait would let the pass overwrite dres, dh or dqkv while a weight-gradient
+    GEMM still reads it. Big enough that those GEMMs take a while (the shakespeare_char width)."""
+    import cupy as cp
+    from common import capture_graph
+    cfg = GPTConfig(n_layer=3, n_head=6, n_embd=384, vocab_size=65, block_size=256)
+    model = TR.TrainGPT(cfg, seed=2)
+    idx, tgt = (cuda(a) for a in batch(cfg, 8, 250, seed=3))
+    model.overlap_weight_grads = False
+    model.loss_and_grads(idx, tgt)
+    want = model.gflat.copy()
+    model.overlap_weight_grads = True
+    for _ in range(3):
+        model.gflat.fill(float("nan"))
+        model.loss_and_grads(idx, tgt)
+        assert cp.array_equal(want, model.gflat)
+    assert model._side is not None
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        with stream:
+            model.loss_and_grads(idx, tgt, check=False)
+        graph = capture_graph(lambda: model.loss_and_grads(idx, tgt, check=False), stream)
+        model.gflat.fill(float("nan"))
+        graph.launch(stream)
+        stream.synchronize()
+    assert cp.array_equal(want, model.gflat)
+
+
+@gpu
 @needs_torch
 def test_twenty_adamw_steps_match_torch():
     import common
