@@ -357,6 +357,31 @@ def test_gemm_is_captured_in_a_cuda_graph_and_checks_its_arguments():
         gemm(a, b, cp.empty((300, 99), cp.float32))
 
 
+@gpu
+def test_gemms_on_two_streams_at_once_with_their_own_workspaces():
+    """own_workspace gives a stream a cuBLAS handle and workspace of its own; GEMMs queued on it and on another
+    stream at the same time (a shape whose split-K sums go through the workspace) give the one-stream bits."""
+    import cupy as cp
+    from common import cublas
+    from common.cublas import gemm, own_workspace
+    x, dy = cuda(rnd(16384, 384, seed=3)), cuda(rnd(16384, 1536, seed=4))
+    want = gemm(x.T, dy)
+    side = cp.cuda.Stream(non_blocking=True)
+    own_workspace(side)
+    own_workspace(side)                                       # once is enough: the same handle
+    dev = cp.cuda.Device().id
+    assert (dev, side.ptr) in cublas._handles and cublas._handles[(dev, side.ptr)] is not cublas._handles[dev]
+    outs = [poison(cp.empty_like(want)) for _ in range(6)]
+    main = cp.cuda.get_current_stream()
+    side.wait_event(main.record())
+    for i, out in enumerate(outs):
+        with side if i % 2 else main:
+            gemm(x.T, dy, out)
+    main.wait_event(side.record())
+    for out in outs:
+        assert cp.array_equal(out, want)
+
+
 ATT_SHAPES = [(1, 1, 1, 64), (3, 77, 1, 64), (1, 130, 3, 64), (2, 65, 2, 32), (1, 256, 5, 64), (1, 1031, 1, 32)]
 
 
