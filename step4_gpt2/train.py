@@ -10,10 +10,11 @@
 A step is: encoder -> L x (LayerNorm, qkv GEMM, step 2's flash attention saving lse, proj GEMM, residual+LayerNorm,
 fc GEMM, bias+GELU, proj GEMM, residual+LayerNorm) -> LM-head GEMM (tied to wte) -> fused classifier, then
 the same backwards (train_gpt2.cu + cuBLAS; the weight gradients on a second stream, beside the rest of the
-pass), global grad-norm clipping, and one AdamW launch for all parameters (step 3's train_update.cu). Parameters and gradients each live in ONE flat buffer, so the norm
-and the clipping are single passes. Everything is deterministic: a run resumed from a checkpoint reproduces
-the uninterrupted run bit for bit. `Trainer(..., graph=True)` replays the whole step as one CUDA graph (the
-GEMMs go through common.cublas, which a capture can record; the learning rate is computed on the GPU).
+pass), global grad-norm clipping, and one AdamW launch for all parameters (step 3's train_update.cu).
+Parameters and gradients each live in ONE flat buffer, so the norm and the clipping are single passes.
+Everything is deterministic: a run resumed from a checkpoint reproduces the uninterrupted run bit for bit.
+`Trainer(..., graph=True)` replays the whole step as one CUDA graph (the GEMMs go through common.cublas, which
+a capture can record; the learning rate is computed on the GPU).
 """
 from __future__ import annotations
 

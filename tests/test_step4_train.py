@@ -532,7 +532,6 @@ def test_weight_grads_beside_the_pass_are_the_same_bits():
     inside a CUDA graph: a missing wait would let the pass overwrite dres, dh or dqkv while a weight-gradient
     GEMM still reads it. Big enough that those GEMMs take a while (the shakespeare_char width)."""
     import cupy as cp
-    from common import capture_graph
     cfg = GPTConfig(n_layer=3, n_head=6, n_embd=384, vocab_size=65, block_size=256)
     model = TR.TrainGPT(cfg, seed=2)
     idx, tgt = (cuda(a) for a in batch(cfg, 8, 250, seed=3))
@@ -545,14 +544,12 @@ def test_weight_grads_beside_the_pass_are_the_same_bits():
         model.loss_and_grads(idx, tgt)
         assert cp.array_equal(want, model.gflat)
     assert model._side is not None
-    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
-    with cp.cuda.using_allocator(pool.malloc):
-        with stream:
-            model.loss_and_grads(idx, tgt, check=False)
-        graph = capture_graph(lambda: model.loss_and_grads(idx, tgt, check=False), stream)
-        model.gflat.fill(float("nan"))
-        graph.launch(stream)
-        stream.synchronize()
+    from step4_gpt2.benchmarks_train import _as_graph
+    replay, captured = _as_graph(lambda: model.loss_and_grads(idx, tgt, check=False))
+    assert captured
+    model.gflat.fill(float("nan"))
+    replay()
+    cp.cuda.get_current_stream().synchronize()
     assert cp.array_equal(want, model.gflat)
 
 
