@@ -18,6 +18,7 @@ a capture can record; the learning rate is computed on the GPU).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from common import expect_choice, require_gpu
-from common.cublas import gemm
+from common.cublas import gemm, own_workspace
 from common.reference.train_gpt2 import is_decayed, lr_at
 from step3_fused.training import History, check_ids
 from step4_gpt2 import train_ops as ops
@@ -98,6 +99,19 @@ class Data:
 
 
 # ============================================================================ the model
+@functools.lru_cache(maxsize=None)
+def weight_grad_stream(device_id: int):
+    """The stream TrainGPT.backward runs its weight gradients on, one per device and shared by every model:
+    its cuBLAS workspace (common.cublas.own_workspace, 32 MB) lives as long as the process, so a stream per
+    model would keep one per model ever built. Models run their backward passes one after another, and the
+    events of each pass order its work on the shared stream."""
+    import cupy as cp
+    with cp.cuda.Device(device_id):
+        stream = cp.cuda.Stream(non_blocking=True)
+        own_workspace(stream)
+    return stream
+
+
 class _Activations:
     """Everything the backward pass reads, for one (B, T): per layer the residual streams, LayerNorm
     outputs and statistics, qkv, attention output and lse, the MLP pre-activation and GELU output."""
@@ -292,12 +306,10 @@ class TrainGPT:
         return G
 
     def _weight_grad_stream(self):
-        """The second stream of backward(), made once per model, with a cuBLAS workspace of its own."""
+        """The second stream of backward(): the device's (weight_grad_stream), taken on first use."""
         import cupy as cp
-        from common.cublas import own_workspace
         if self._side is None:
-            self._side = cp.cuda.Stream(non_blocking=True)
-            own_workspace(self._side)
+            self._side = weight_grad_stream(cp.cuda.Device().id)
         return self._side
 
     def loss_and_grads(self, idx, targets, check: bool = True):
