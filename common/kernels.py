@@ -172,12 +172,71 @@ def get_kernel(path: str | os.PathLike, name: str, defines: dict | None = None, 
     return _kernels[key][1]
 
 
-def capture_graph(fn, stream=None):
+def _driver():
+    """The CUDA driver library (libcuda), for the two calls CuPy does not wrap."""
+    global _libcuda
+    if _libcuda is None:
+        import ctypes
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+    return _libcuda
+
+
+_libcuda = None
+
+
+def stream_priorities() -> tuple[int, int]:
+    """(lowest, highest) stream priority of this GPU, as CUDA numbers them (lower numbers run first, so
+    highest <= lowest; the default stream priority is the lowest)."""
+    import ctypes
+    import cupy as cp
+    from common.device import require_gpu
+    require_gpu()
+    cp.cuda.runtime.free(0)                      # cudaFree(0): makes the device's context current, as the call needs
+    least, greatest = ctypes.c_int(), ctypes.c_int()
+    status = _driver().cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest))
+    if status != 0:
+        raise RuntimeError(f"cuCtxGetStreamPriorityRange failed with CUresult {status}")
+    return least.value, greatest.value
+
+
+class NodePriorityGraph:
+    """A captured graph instantiated with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY: each kernel keeps the
+    priority of the stream it was captured on, instead of all taking the priority of the stream the graph is
+    launched into (what CuPy's own instantiation does). When two branches of the graph both have blocks
+    waiting for an SM, the block scheduler starts the higher-priority branch's first. Same API as CuPy's
+    Graph: launch(stream=None)."""
+
+    def __init__(self, graph):
+        import ctypes
+        self._graph = graph                       # CuPy's Graph owns the cudaGraph_t: keep it alive
+        exec_ = ctypes.c_void_p()
+        status = _driver().cuGraphInstantiateWithFlags(ctypes.byref(exec_), ctypes.c_void_p(graph.graph),
+                                                       ctypes.c_ulonglong(8))   # ..._USE_NODE_PRIORITY
+        if status != 0:
+            raise RuntimeError(f"cuGraphInstantiateWithFlags failed with CUresult {status}")
+        self._exec = exec_.value
+
+    def launch(self, stream=None):
+        import cupy as cp
+        from cupy_backends.cuda.api import runtime
+        runtime.graphLaunch(self._exec, (stream or cp.cuda.get_current_stream()).ptr)
+
+    def __del__(self):
+        if getattr(self, "_exec", None):
+            from cupy_backends.cuda.api import runtime
+            try:
+                runtime.graphExecDestroy(self._exec)
+            except Exception:                     # at interpreter exit the context may be gone already
+                pass
+
+
+def capture_graph(fn, stream=None, node_priority: bool = False):
     """A CUDA graph of the GPU work that `fn()` enqueues on `stream` (a non-blocking stream made here when
     None): recorded, not run; replay it with `graph.launch(stream)`. Run `fn` once before capturing so
     kernels are compiled and buffers allocated: neither may happen during a capture. The capture is closed
     even when `fn` raises (CuPy refuses cuBLAS calls inside one), so the stream stays usable, and the
-    original error is the one reported."""
+    original error is the one reported. node_priority: a NodePriorityGraph, whose kernels keep the priorities
+    of the streams they were captured on (work that `fn` puts on a stream of another priority)."""
     import cupy as cp
     from common.device import require_gpu
     require_gpu()
@@ -192,7 +251,8 @@ def capture_graph(fn, stream=None):
         except Exception:
             pass
         raise
-    return stream.end_capture()
+    graph = stream.end_capture()
+    return NodePriorityGraph(graph) if node_priority else graph
 
 
 def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:

@@ -104,10 +104,16 @@ def weight_grad_stream(device_id: int):
     """The stream TrainGPT.backward runs its weight gradients on, one per device and shared by every model:
     its cuBLAS workspace (common.cublas.own_workspace, 32 MB) lives as long as the process, so a stream per
     model would keep one per model ever built. Models run their backward passes one after another, and the
-    events of each pass order its work on the shared stream."""
+    events of each pass order its work on the shared stream.
+
+    It has the GPU's highest stream priority (the pass runs at the default, the lowest): where both have blocks
+    waiting for an SM, a weight gradient's go first. They have the least of the pass left beside them to hide
+    in if they start late (docs/training.md measured the three choices). Inside the step's CUDA graph the
+    priorities hold because the graph is instantiated with node priorities (common.capture_graph)."""
     import cupy as cp
+    from common import stream_priorities
     with cp.cuda.Device(device_id):
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = cp.cuda.Stream(non_blocking=True, priority=stream_priorities()[1])
         own_workspace(stream)
     return stream
 
@@ -357,7 +363,8 @@ class _StepGraph:
         try:
             with cp.cuda.using_allocator(self.pool.malloc):
                 self.graph = capture_graph(
-                    lambda: setattr(self, "loss", trainer._step_body(self.idx, self.targets)), self.stream)
+                    lambda: setattr(self, "loss", trainer._step_body(self.idx, self.targets)), self.stream,
+                    node_priority=True)
         except Exception as e:
             trainer.graph = False
             raise RuntimeError(f"graph=True: capturing the training step failed ({type(e).__name__}: {e}); this "

@@ -72,15 +72,38 @@ template <int R> struct Tile {   // R rows of D floats, two buffers: one compute
     float v[2][R][TS];
 };
 
+#ifndef TF32_SPLIT
+#define TF32_SPLIT 0
+#endif
+// How each operand is split into its TF32 parts (benchmarks_train.py times the three; tests check 1 against 2):
+//   0  big = x rounded to TF32; small = x - big, handed to the tensor core as it is: the tensor core reads only
+//      a TF32 operand's top 19 bits, so small is truncated there. Two integer instructions and a subtraction;
+//      CUTLASS's OpMultiplyAddFastF32 (PyTorch's float32 attention) splits the same way. The default.
+//   1  as 0, and small rounded to TF32 too (to nearest): two more integer instructions, half the error in small.
+//   2  as 1 with PTX's cvt.rna.tf32.f32 for both roundings: the same bits as 1, but on sm_80 .. sm_90 ptxas
+//      expands each cvt into about five instructions (a compare and a select for NaN among them), and the
+//      splits are most of what these kernels execute.
+// Rounding to nearest, ties away from zero, for a finite x: add half a TF32 ulp to the bits and clear the 13 low
+// ones (sign and magnitude: the add rounds the magnitude up from the half; a carry into the exponent is the
+// right result). The inputs here are finite. volatile: not hoisted out of loops, where its result would hold
+// registers.
 __device__ __forceinline__ unsigned tf32(float x) {
     unsigned r;
-    asm volatile("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));   // volatile: not hoisted out of loops,
-    return r;                                                         // where its result would hold registers
+#if TF32_SPLIT == 2
+    asm volatile("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
+    asm volatile("{\n\tadd.u32 %0, %1, 0x1000;\n\tand.b32 %0, %0, 0xffffe000;\n}\n" : "=r"(r) : "r"(__float_as_uint(x)));
+#endif
+    return r;
 }
 
 __device__ __forceinline__ void split(float x, unsigned& big, unsigned& small) {
     big = tf32(x);
+#if TF32_SPLIT == 0
+    small = __float_as_uint(x - __uint_as_float(big));
+#else
     small = tf32(x - __uint_as_float(big));
+#endif
 }
 
 __device__ __forceinline__ void split4(float a0, float a1, float a2, float a3, unsigned (&ab)[4], unsigned (&as)[4]) {
@@ -115,12 +138,14 @@ __device__ __forceinline__ void mma3(float (&d)[4], float (&ds)[4], const unsign
 
 __device__ __forceinline__ void zero(float (&d)[4]) { d[0] = d[1] = d[2] = d[3] = 0.0f; }
 
-// s (16 x R) = A (tile + bias)^T, A (16 x D) held as fp32 fragments, split here for each tile (keeping the
-// split parts would double the registers A takes). The tile's rows are n, its columns k (S = Q K^T: n = key,
-// k = head dim); bias[k] (BIAS = false: no bias).
-template <int R, bool BIAS = true>
-__device__ __forceinline__ void product_t(float (&s)[R / 8][4], const float (&a)[KD][4], const float (*tl)[TS],
-                                          const float* bias, int g, int t) {
+// s (16 x R) = A tile^T, A (16 x D) held as fp32 fragments, split here for each tile (keeping the split parts
+// would double the registers A takes). The tile's rows are n, its columns k (S = Q K^T: n = key, k = head dim).
+// The tiles hold q, k, v and dO as they are in memory, without the qkv bias: cp.async copies bytes and cannot add
+// it, and adding it to every element a warp reads cost an instruction per element and product. The kernels add
+// what the bias contributes once per row instead (bias_dot, rowsum_times below).
+template <int R>
+__device__ __forceinline__ void product_t(float (&s)[R / 8][4], const float (&a)[KD][4], const float (*tl)[TS], int g,
+                                          int t) {
     float ss[R / 8][4];
 #pragma unroll
     for (int nt = 0; nt < R / 8; ++nt) zero(s[nt]), zero(ss[nt]);
@@ -129,11 +154,10 @@ __device__ __forceinline__ void product_t(float (&s)[R / 8][4], const float (&a)
         unsigned ab[4], as[4];
         split4(a[ks][0], a[ks][1], a[ks][2], a[ks][3], ab, as);
         const int k = ks * 8 + t;
-        const float b0 = BIAS ? bias[k] : 0.0f, b1 = BIAS ? bias[k + 4] : 0.0f;
 #pragma unroll
         for (int nt = 0; nt < R / 8; ++nt) {
             const int n = nt * 8 + g;
-            mma3(s[nt], ss[nt], ab, as, tl[n][k] + b0, tl[n][k + 4] + b1);
+            mma3(s[nt], ss[nt], ab, as, tl[n][k], tl[n][k + 4]);
         }
     }
 #pragma unroll
@@ -142,13 +166,13 @@ __device__ __forceinline__ void product_t(float (&s)[R / 8][4], const float (&a)
         for (int e = 0; e < 4; ++e) s[nt][e] += ss[nt][e];
 }
 
-// acc += C (tile + bias), C (16 x R) an accumulator used as the A operand: the tile's rows are k, renumbered
-// (k = t is row 2t, k = t+4 is row 2t+1), its columns n (O += P V: k = key, n = head dim); bias[n]. The tile's
-// sum is made in an accumulator that starts at zero (the small terms share it: a second one would not fit in
-// the registers of the backward kernels), then added to acc on the FMA units.
-template <int R, bool BIAS = true>
+// acc += C tile, C (16 x R) an accumulator used as the A operand: the tile's rows are k, renumbered (k = t is
+// row 2t, k = t+4 is row 2t+1), its columns n (O += P V: k = key, n = head dim). The tile's sum is made in an
+// accumulator that starts at zero (the small terms share it: a second one would not fit in the registers of the
+// backward kernels), then added to acc on the FMA units.
+template <int R>
 __device__ __forceinline__ void product_acc(float (&acc)[KD][4], const float (&c)[R / 8][4], const float (*tl)[TS],
-                                            const float* bias, int g, int t) {
+                                            int g, int t) {
     float d[KD][4];
 #pragma unroll
     for (int nt = 0; nt < KD; ++nt) zero(d[nt]);
@@ -160,8 +184,7 @@ __device__ __forceinline__ void product_acc(float (&acc)[KD][4], const float (&c
 #pragma unroll
         for (int nt = 0; nt < KD; ++nt) {
             const int n = nt * 8 + g;
-            const float bn = BIAS ? bias[n] : 0.0f;
-            mma3(d[nt], d[nt], ab, as, tl[k][n] + bn, tl[k + 1][n] + bn);
+            mma3(d[nt], d[nt], ab, as, tl[k][n], tl[k + 1][n]);
         }
     }
 #pragma unroll
@@ -243,6 +266,28 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(FULL_MASK, x, 2);
 }
 
+// What a bias b on the tile's side adds, per row of the warp's A fragments: (a + ...) . b for rows g and g+8 (the
+// quad's four lanes hold a row's columns between them). S = A (X + b)^T = A X^T + (A b) 1^T: a constant per row of S.
+__device__ __forceinline__ void bias_dot(float (&c)[2], const float (&a)[KD][4], const float* b, int t) {
+    c[0] = c[1] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KD; ++ks)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[i & 1] = fmaf(a[ks][i], b[ks * 8 + t + (i >> 1) * 4], c[i & 1]);
+    c[0] = quad_sum(c[0]);
+    c[1] = quad_sum(c[1]);
+}
+
+// acc += rs b^T, rs[r] this lane's part of the sum of row g + 8r of C over all tiles: C (X + b) = C X + (C 1) b^T.
+__device__ __forceinline__ void rowsum_times(float (&acc)[KD][4], float (&rs)[2], const float* b, int t) {
+    rs[0] = quad_sum(rs[0]);
+    rs[1] = quad_sum(rs[1]);
+#pragma unroll
+    for (int nt = 0; nt < KD; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = fmaf(rs[e >> 1], b[nt * 8 + 2 * t + (e & 1)], acc[nt][e]);
+}
+
 #define QKV_OFFSETS                                                                                             \
     const int C = H * D, bh = blockIdx.y, b = bh / H, h = bh % H;                                               \
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;                     \
@@ -277,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_forward_tc
         wait_tiles();                                          // this tile has landed; the next may still stream
         if (j0 <= r0 + 15) {                                   // else every key of the tile is after this warp's rows
             float s[KEY_TILE / 8][4];
-            product_t<KEY_TILE>(s, q, ks.v[cur], kb, g, t);     // S = Q K^T (log2 domain)
+            product_t<KEY_TILE>(s, q, ks.v[cur], g, t);         // S = Q K^T (log2 domain; the k bias: in lse)
             float mx[2] = {m[0], m[1]};
 #pragma unroll
             for (int nt = 0; nt < KEY_TILE / 8; ++nt)
@@ -306,10 +351,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_forward_tc
             for (int nt = 0; nt < KD; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) o[nt][e] *= corr[e >> 1];
-            product_acc<KEY_TILE>(o, s, vs.v[cur], vb, g, t);    // O += P V
+            product_acc<KEY_TILE>(o, s, vs.v[cur], g, t);        // O += P V (the v bias: at the end)
         }
         __syncthreads();                                       // before the next fetch overwrites this buffer
     }
+    // The scores lacked q . k_bias, the same for every key of a row: softmax does not see it, lse does. And a row
+    // of P sums to 1, so P (V + v_bias) = P V + v_bias.
+    float cq[2];
+    bias_dot(cq, q, kb, t);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int row = r0 + g + i * 8;
@@ -318,8 +367,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_forward_tc
         float* dst = out + ((long long)b * T + row) * C + h * D + 2 * t;
 #pragma unroll
         for (int nt = 0; nt < KD; ++nt)
-            *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[nt][2 * i] / sum, o[nt][2 * i + 1] / sum);
-        if (t == 0) lse[(long long)bh * T + row] = (m[i] + log2f(sum)) * LN2;
+            *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(o[nt][2 * i] / sum + vb[nt * 8 + 2 * t],
+                                                                   o[nt][2 * i + 1] / sum + vb[nt * 8 + 2 * t + 1]);
+        if (t == 0) lse[(long long)bh * T + row] = (m[i] + log2f(sum) + cq[i]) * LN2;
     }
 #else
     __trap();
@@ -343,6 +393,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dkv_tc(
     float k[KD][4], v[KD][4], dk[KD][4], dv[KD][4];
     load_a(k, k_src, 3 * C, k_bias, k0, T, scale * LOG2E, g, t);
     load_a(v, v_src, 3 * C, v_bias, k0, T, 1.0f, g, t);
+    __syncthreads();                                           // qb
+    float ck[2], rs[2] = {0.0f, 0.0f};                          // k . q_bias per key; the rows of dS^T, summed
+    bias_dot(ck, k, qb, t);
 #pragma unroll
     for (int nt = 0; nt < KD; ++nt) zero(dk[nt]), zero(dv[nt]);
     const float* lse_bh = lse + (long long)bh * T;
@@ -366,19 +419,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dkv_tc(
                     dl[nt][e] = i < T ? delta_bh[i] : 0.0f;
                 }
             float s[QUERY_TILE / 8][4], dp[QUERY_TILE / 8][4];
-            product_t<QUERY_TILE>(s, k, qs.v[cur], qb, g, t);     // S^T = K Q^T (log2 domain)
-            product_t<QUERY_TILE, false>(dp, v, dos.v[cur], nullptr, g, t);   // dP^T = V dO^T
+            product_t<QUERY_TILE>(s, k, qs.v[cur], g, t);         // S^T = K Q^T (log2 domain), + ck below
+            product_t<QUERY_TILE>(dp, v, dos.v[cur], g, t);       // dP^T = V dO^T
 #pragma unroll
             for (int nt = 0; nt < QUERY_TILE / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = i0 + nt * 8 + 2 * t + (e & 1), key = k0 + g + (e >> 1) * 8;
                     // keys past T hold zeros; their rows of dK, dV are never written
-                    const float p = (key <= i && i < T) ? exp2f(s[nt][e] - ls[nt][e & 1]) : 0.0f;
+                    const float p = (key <= i && i < T) ? exp2f(s[nt][e] + ck[e >> 1] - ls[nt][e & 1]) : 0.0f;
                     s[nt][e] = p;
                     dp[nt][e] = p * (dp[nt][e] - dl[nt][e & 1]);
+                    rs[e >> 1] += dp[nt][e];
                 }
-            product_acc<QUERY_TILE, false>(dv, s, dos.v[cur], nullptr, g, t); // dV += P^T dO
+            product_acc<QUERY_TILE>(dv, s, dos.v[cur], g, t);     // dV += P^T dO
             if (ds_k) {
                 float* tile = ds_k + (i0 / 16) * (i0 / 16 + 1) / 2 * 256;        // dS for attention_dq_tc
 #pragma unroll
@@ -387,10 +441,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dkv_tc(
                     for (int i = 0; i < 2; ++i)
                         *reinterpret_cast<float2*>(tile + i * 128 + nt * 8) = make_float2(dp[nt][2 * i], dp[nt][2 * i + 1]);
             }
-            product_acc<QUERY_TILE>(dk, dp, qs.v[cur], qb, g, t);      // dK += dS^T Q
+            product_acc<QUERY_TILE>(dk, dp, qs.v[cur], g, t);     // dK += dS^T Q (+ rowsum(dS^T) q_bias below)
         }
         __syncthreads();
     }
+    rowsum_times(dk, rs, qb, t);
     float* dst = dqkv + (long long)b * T * 3 * C + h * D;
     store_rows(dst + C, 3 * C, dk, scale, k0, T, g, t);
     store_rows(dst + 2 * C, 3 * C, dv, 1.0f, k0, T, g, t);
@@ -430,7 +485,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dq_tc(
     fetch<DQ_TILE>(ks.v[0], k_src, 3 * C, 0, T);
     copy_commit();
     load_bias(kb, k_bias);
-    float dq[KD][4], c[DQ_TILE / 8][4], nx[DQ_TILE / 8][4];
+    float dq[KD][4], c[DQ_TILE / 8][4], nx[DQ_TILE / 8][4], rs[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int nt = 0; nt < KD; ++nt) zero(dq[nt]);
     if (active) load_ds(nx, row, 0, qt, g, t);
@@ -445,10 +500,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 2) attention_dq_tc(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) c[kk][e] = nx[kk][e];
             if (j0 + DQ_TILE <= r0 + 15) load_ds(nx, row, (j0 + DQ_TILE) / 16, qt, g, t);
-            product_acc<DQ_TILE>(dq, c, ks.v[cur], kb, g, t);   // dQ += dS K
+            product_acc<DQ_TILE>(dq, c, ks.v[cur], g, t);       // dQ += dS K (+ rowsum(dS) k_bias below)
+#pragma unroll
+            for (int kk = 0; kk < DQ_TILE / 8; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) rs[e >> 1] += c[kk][e];
         }
         __syncthreads();
     }
+    rowsum_times(dq, rs, kb, t);
     store_rows(dqkv + (long long)b * T * 3 * C + h * D, 3 * C, dq, scale, r0, T, g, t);
 #else
     __trap();

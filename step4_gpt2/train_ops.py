@@ -19,7 +19,7 @@ import numpy as np
 
 from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, get_kernel, launch_grid, out_array,
                     require_arch)
-from common.cublas import gemm
+from common.cublas import gemm, tf32_enabled
 
 CU = Path(__file__).resolve().parent / "train_gpt2.cu"
 CU_TC = Path(__file__).resolve().parent / "train_attention_tc.cu"     # attention version 3 (sm_80+)
@@ -345,7 +345,10 @@ def weight_grad(x, dy, out=None, splits: int | None = 1):
     few output tiles to fill the GPU. `splits` > 1 (None: weight_splits' choice) splits the rows by hand
     ("split-K"): one strided-batched GEMM makes `splits` partial products, a sum adds them in a fixed order.
     benchmarks_train.py measures both: cuBLAS's own kernel choice for the single GEMM is the faster, so it is
-    the default."""
+    the default. With more inputs than outputs (the MLP's c_proj, 4C x C) and TF32 on, cuBLAS picks a slower
+    kernel for x^T dy than for the same product the other way round, dy^T x (C x 4C, as c_fc's): that one is
+    made, and its transpose copied into out (2.4 MB at C = 384, a few microseconds). In fp32 the first
+    orientation is the faster one. docs/training.md has the numbers."""
     import cupy as cp
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     N, n_in = x.shape
@@ -356,6 +359,9 @@ def weight_grad(x, dy, out=None, splits: int | None = 1):
     if isinstance(S, bool) or not isinstance(S, (int, np.integer)) or S < 1 or N % S:
         raise ValueError(f"splits: expected a positive divisor of N={N} (or None), got {splits!r}")
     if S == 1:
+        if n_in > n_out and tf32_enabled():     # the faster orientation on TF32 tensor cores: dW^T, then copied
+            cp.copyto(out, gemm(dy.T, x).T)
+            return out
         return gemm(x.T, dy, out)
     n = N // S
     part = cp.matmul(x.reshape(S, n, n_in).transpose(0, 2, 1), dy.reshape(S, n, n_out))

@@ -77,6 +77,36 @@ def test_tf32_reference_matches_the_hardware():
     assert np.array_equal(y.get(), R.tf32(x))
 
 
+
+@gpu
+@pytest.mark.parametrize("B,T,H,D", [(3, 77, 6, 64), (2, 33, 3, 32)])
+def test_attention_v3_integer_rounding_is_cvt_rna(B, T, H, D):
+    """train_attention_tc.cu rounds to TF32 with an integer add and a mask where PTX's cvt.rna.tf32.f32 costs about
+    five instructions after ptxas: with both parts of each split rounded (TF32_SPLIT=1, integer; 2, cvt.rna), the
+    same bits from all three kernels. (The default, 0, leaves the small part to the tensor core's truncation: the
+    tests against the float64 references check it.)"""
+    import cupy as cp
+    from common import get_kernel
+    from step4_gpt2 import train_ops as ops
+    skip_without_tensor_cores(3)
+    C, nt = H * D, -(-T // 16)
+    qkv, bias, dout = cuda(rnd(B, T, 3 * C, seed=T)), cuda(rnd(3 * C, seed=1, scale=0.5)), cuda(rnd(B, T, C, seed=2))
+    grid, ints = (-(-T // ops.TC_ROWS), B * H), (np.int32(T), np.int32(H), np.float32(1 / math.sqrt(D)))
+    outs = []
+    for split in (1, 2):
+        k = lambda name: get_kernel(ops.CU_TC, name, {"HEAD_DIM": D, "TF32_SPLIT": split})  # noqa: E731
+        out, lse = poison(cp.empty((B, T, C), cp.float32)), poison(cp.empty((B, H, T), cp.float32))
+        k("attention_forward_tc")(grid, (ops.TC_WARPS * 32,), (qkv, bias, out, lse, *ints))
+        delta = ops.attention_delta(dout, out, H)
+        dqkv = poison(cp.empty((B, T, 3 * C), cp.float32))
+        ds = cp.empty(B * H * (nt * (nt + 1) // 2) * 256, cp.float32)
+        k("attention_dkv_tc")(grid, (ops.TC_WARPS * 32,), (qkv, bias, dout, lse, delta, dqkv, ds, *ints))
+        k("attention_dq_tc")(grid, (ops.TC_WARPS * 32,), (qkv, bias, ds, dqkv, *ints))
+        outs.append((out, lse, dqkv))
+    for name, a, b in zip(("out", "lse", "dqkv"), *outs):
+        assert not bool(cp.isnan(a).any()), name
+        assert bool(cp.array_equal(a, b)), f"{name}: the integer rounding changed bits"
+
 @needs_torch
 def test_reference_layers_match_torch_autograd():
     rng = np.random.default_rng(1)
@@ -315,6 +345,23 @@ def test_weight_grad_split_over_rows(N, n_in, n_out):
 
 
 @gpu
+def test_weight_grad_with_more_inputs_than_outputs_in_tf32():
+    """In TF32 weight_grad makes dW^T = dy^T x and copies its transpose when n_in > n_out (the faster orientation
+    for cuBLAS there): the same bits as that product, and dW within TF32's accuracy; in fp32 the direct one."""
+    import cupy as cp
+    from common.cublas import gemm, tf32_matmuls
+    from step4_gpt2 import train_ops as ops
+    x, dy = cuda(rnd(1000, 97, seed=1)), cuda(rnd(1000, 40, seed=2))
+    ref = x.get().astype(np.float64).T @ dy.get()
+    with tf32_matmuls():
+        out = ops.weight_grad(x, dy, out=poison(cp.empty((97, 40), cp.float32)))
+        assert cp.array_equal(out, gemm(dy.T, x).T)
+    assert max_rel_error(out.get(), ref) < 5e-3                   # TF32: 10-bit mantissas
+    out = ops.weight_grad(x, dy, out=poison(cp.empty((97, 40), cp.float32)))
+    assert cp.array_equal(out, gemm(x.T, dy))
+    assert_close(out, ref, rtol=1e-5)
+
+@gpu
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (17, 33, 5), (1, 384, 1152), (1000, 385, 67), (16384, 384, 65)])
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
 def test_gemm_matches_float64(m, k, n, layout):
@@ -356,6 +403,36 @@ def test_gemm_is_captured_in_a_cuda_graph_and_checks_its_arguments():
     with pytest.raises(ValueError, match="out: expected shape"):
         gemm(a, b, cp.empty((300, 99), cp.float32))
 
+
+@gpu
+def test_a_graph_with_node_priorities_keeps_both_branches():
+    """capture_graph(node_priority=True), as the training step uses it: work forked onto a stream of the highest
+    priority and joined back is recorded as a second branch, and the replay gives the eager bits, the branch's
+    GEMM included."""
+    import cupy as cp
+    from common import capture_graph, stream_priorities
+    from common.cublas import gemm, own_workspace
+    lowest, highest = stream_priorities()
+    assert highest <= lowest
+    side = cp.cuda.Stream(non_blocking=True, priority=highest)
+    own_workspace(side)
+    main = cp.cuda.Stream(non_blocking=True)
+    a, b, c = cuda(rnd(257, 130, seed=1)), cuda(rnd(130, 70, seed=2)), cuda(rnd(257, 70, seed=3))
+    out1, out2 = poison(cp.empty((257, 70), cp.float32)), poison(cp.empty((257, 70), cp.float32))
+
+    def body():
+        side.wait_event(main.record())
+        with side:
+            gemm(a, b, out1)
+        cp.multiply(c, 2.0, out=out2)
+        main.wait_event(side.record())
+        cp.add(out1, out2, out=out2)
+
+    graph = capture_graph(body, main, node_priority=True)
+    assert bool(cp.isnan(out2).all())                        # recorded, not run
+    graph.launch(main)
+    main.synchronize()
+    assert cp.array_equal(out2, gemm(a, b) + 2 * c)
 
 @gpu
 def test_gemms_on_two_streams_at_once_with_their_own_workspaces():
