@@ -314,6 +314,45 @@ def train_attention_rows() -> list[Row]:
     return rows
 
 
+
+def train_split_rows() -> list[Row]:
+    """Attention v3's kernels with each way of splitting an operand into TF32 parts (train_attention_tc.cu's
+    TF32_SPLIT): 2 = PTX's cvt.rna.tf32.f32 for both parts, 1 = the same rounding in integer instructions (the same
+    bits), 0 = the small part left to the tensor core's truncation (the default). Forward, and the backward's two
+    kernels (dK/dV with dS, then dQ); 6 heads of 64 at T = 256 and 1024. sm_80+ only."""
+    import math
+    import cupy as cp
+    from common import get_kernel
+    from step4_gpt2 import train_ops as ops
+    if ops.default_attention_version() != 3:
+        return []
+    rows, H, D = [], 6, 64
+    for T_, B_ in ((256, 64), (1024, 16)):
+        C, nt = H * D, -(-T_ // 16)
+        rng = np.random.default_rng(0)
+        qkv = cp.asarray(rng.standard_normal((B_, T_, 3 * C), dtype=np.float32))
+        bias = cp.asarray(0.1 * rng.standard_normal(3 * C, dtype=np.float32))
+        dout = cp.asarray(rng.standard_normal((B_, T_, C), dtype=np.float32))
+        out, lse = cp.empty((B_, T_, C), cp.float32), cp.empty((B_, H, T_), cp.float32)
+        dqkv, ds = cp.empty_like(qkv), cp.empty(B_ * H * (nt * (nt + 1) // 2) * 256, cp.float32)
+        grid, ints = (-(-T_ // ops.TC_ROWS), B_ * H), (np.int32(T_), np.int32(H), np.float32(1 / math.sqrt(D)))
+        size, base = f"B{B_} H{H} T{T_} D{D}", {}
+        for split, what in ((2, "cvt.rna"), (1, "integer rounding"), (0, "small part truncated")):
+            k = {n: get_kernel(ops.CU_TC, n, {"HEAD_DIM": D, "TF32_SPLIT": split})
+                 for n in ("attention_forward_tc", "attention_dkv_tc", "attention_dq_tc")}
+            fwd = lambda k=k: k["attention_forward_tc"](grid, (ops.TC_WARPS * 32,), (qkv, bias, out, lse, *ints))
+            fwd()
+            delta = ops.attention_delta(dout, out, H)
+
+            def bwd(k=k, delta=delta):
+                k["attention_dkv_tc"](grid, (ops.TC_WARPS * 32,), (qkv, bias, dout, lse, delta, dqkv, ds, *ints))
+                k["attention_dq_tc"](grid, (ops.TC_WARPS * 32,), (qkv, bias, ds, dqkv, *ints))
+            for part, fn in (("forward", fwd), ("backward kernels", bwd)):
+                t = bench(fn, name=f"attention v3 {part}, split {split} ({what}) T={T_}")
+                base.setdefault(part, t)
+                rows.append(Row.of(t, size, anchor=("split 2 (cvt.rna)", base[part]) if split != 2 else None))
+    return rows
+
 def quality(steps: int = 300, eval_every: int = 100, data=None, batch: int = B, torch_too: bool = True,
             progress: bool = False) -> tuple[dict, object]:
     """Ours (one CUDA graph per step, as the notebook trains) and PyTorch eager trained for the same steps on the
@@ -398,7 +437,8 @@ def gradient_check(B_: int = 4, seed: int = 1) -> list[tuple]:
 
 
 def run(compile_torch: bool = True) -> list[Row]:
-    return train_throughput_rows(compile_torch=compile_torch) + train_breakdown_rows() + train_attention_rows()
+    return (train_throughput_rows(compile_torch=compile_torch) + train_breakdown_rows() + train_attention_rows()
+            + train_split_rows())
 
 
 def report(directory, quality_steps: int = 600, compile_torch: bool = True) -> str:
@@ -444,7 +484,8 @@ def report(directory, quality_steps: int = 600, compile_torch: bool = True) -> s
         lines += part
         print("\n".join(part), flush=True)
     rows = []
-    for fn in (train_breakdown_rows, train_attention_rows, lambda: train_throughput_rows(compile_torch=compile_torch)):
+    for fn in (train_breakdown_rows, train_attention_rows, train_split_rows,
+               lambda: train_throughput_rows(compile_torch=compile_torch)):
         new = fn()
         rows += new
         print(table(new), flush=True)

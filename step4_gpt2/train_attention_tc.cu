@@ -40,14 +40,16 @@
 // domain: Q (or K) is scaled by scale * log2(e) as it is loaded.
 //
 // Operands are split where they are read: the A fragments from registers, the B fragments from the fp32 tiles in
-// shared memory (plus the bias, kept there too: cp.async copies bytes and cannot add it).
+// shared memory. The splits are most of what these kernels execute, so each is two integer instructions and a
+// subtraction (TF32_SPLIT below). The tiles hold q, k, v, dO as they are in memory: the qkv bias is added once
+// per row instead (bias_dot, rowsum_times), not to every element a warp reads.
 //
 // Layouts as in train_gpt2.cu: qkv (B, T, 3C) without its bias (added while reading), out and dout (B, T, C),
 // lse and delta (B, H, T), dqkv (B, T, 3C). Shared rows are D + 4 floats long, which makes both fragment
 // reads below conflict-free: rows g, columns t (bank 4g + t) and rows 2t, columns g (bank 8t + g).
 //
 // Architectures: TF32 mma needs sm_80. Compiled for older GPUs the kernels trap; train_ops.py does not launch
-// them there (the default attention version is 2 below sm_80). Compile-time knob: HEAD_DIM (32 or 64).
+// them there (the default attention version is 2 below sm_80). Compile-time knobs: HEAD_DIM (32 or 64), TF32_SPLIT.
 #include "course.cuh"
 #include "mma.cuh"            // smem_addr, copy16 / copy_commit / copy_wait (cp.async), shared with step 2
 
