@@ -44,7 +44,7 @@
 // subtraction (TF32_SPLIT below). The tiles hold q, k, v, dO as they are in memory: the qkv bias is added once
 // per row instead (bias_dot, rowsum_times), not to every element a warp reads.
 //
-// Layouts as in train_gpt2.cu: qkv (B, T, 3C) without its bias (added while reading), out and dout (B, T, C),
+// Layouts as in train_gpt2.cu: qkv (B, T, 3C) without its bias (see above), out and dout (B, T, C),
 // lse and delta (B, H, T), dqkv (B, T, 3C). Shared rows are D + 4 floats long, which makes both fragment
 // reads below conflict-free: rows g, columns t (bank 4g + t) and rows 2t, columns g (bank 8t + g).
 //
