@@ -177,7 +177,8 @@ def _driver():
     global _libcuda
     if _libcuda is None:
         import ctypes
-        _libcuda = ctypes.CDLL("libcuda.so.1")
+        import sys
+        _libcuda = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
     return _libcuda
 
 
@@ -223,8 +224,8 @@ class NodePriorityGraph:
 
     def __del__(self):
         if getattr(self, "_exec", None):
-            from cupy_backends.cuda.api import runtime
             try:
+                from cupy_backends.cuda.api import runtime
                 runtime.graphExecDestroy(self._exec)
             except Exception:                     # at interpreter exit the context may be gone already
                 pass

@@ -236,7 +236,8 @@ def _attention_version(version):
 
 
 def attention_forward(qkv, bias, n_head: int, out=None, lse=None, version: int | None = None):
-    """Causal attention on GPT-2's fused qkv (B, T, 3C) (+ bias (3C,), added while loading) ->
+    """Causal attention on GPT-2's fused qkv (B, T, 3C) (+ bias (3C,), added while loading; version 3 adds it to its
+    register operands and once per row for its shared-memory tiles) ->
     (out (B, T, C), lse (B, H, T)); the T x T scores never leave the chip. Versions 1 and 2: step 2's flash
     attention (flash_attention_qkv), which also writes each row's log-sum-exp when given a buffer; 3: on tensor
     cores (train_attention_tc.cu); None: default_attention_version()."""
@@ -345,7 +346,7 @@ def weight_grad(x, dy, out=None, splits: int | None = 1):
     few output tiles to fill the GPU. `splits` > 1 (None: weight_splits' choice) splits the rows by hand
     ("split-K"): one strided-batched GEMM makes `splits` partial products, a sum adds them in a fixed order.
     benchmarks_train.py measures both: cuBLAS's own kernel choice for the single GEMM is the faster, so it is
-    the default. With more inputs than outputs (the MLP's c_proj, 4C x C) and TF32 on, cuBLAS picks a slower
+    the default. For the MLP's c_proj (n_in = 4 n_out, the one shape measured) with TF32 on, cuBLAS picks a slower
     kernel for x^T dy than for the same product the other way round, dy^T x (C x 4C, as c_fc's): that one is
     made, and its transpose copied into out (2.4 MB at C = 384, a few microseconds). In fp32 the first
     orientation is the faster one. docs/training.md has the numbers."""
@@ -359,7 +360,7 @@ def weight_grad(x, dy, out=None, splits: int | None = 1):
     if isinstance(S, bool) or not isinstance(S, (int, np.integer)) or S < 1 or N % S:
         raise ValueError(f"splits: expected a positive divisor of N={N} (or None), got {splits!r}")
     if S == 1:
-        if n_in > n_out and tf32_enabled():     # the faster orientation on TF32 tensor cores: dW^T, then copied
+        if n_in == 4 * n_out and tf32_enabled():   # the MLP's c_proj: the faster orientation in TF32, then copied
             cp.copyto(out, gemm(dy.T, x).T)
             return out
         return gemm(x.T, dy, out)

@@ -345,21 +345,23 @@ def test_weight_grad_split_over_rows(N, n_in, n_out):
 
 
 @gpu
-def test_weight_grad_with_more_inputs_than_outputs_in_tf32():
-    """In TF32 weight_grad makes dW^T = dy^T x and copies its transpose when n_in > n_out (the faster orientation
-    for cuBLAS there): the same bits as that product, and dW within TF32's accuracy; in fp32 the direct one."""
+def test_weight_grad_of_the_mlp_projection_in_tf32():
+    """In TF32 weight_grad makes the MLP c_proj's dW (n_in = 4 n_out) as dW^T = dy^T x and copies its transpose
+    (the faster orientation for cuBLAS there): the same bits as that product, and dW within TF32's accuracy. Other
+    shapes (the LM head's V x C among them) and fp32 take the direct product."""
     import cupy as cp
     from common.cublas import gemm, tf32_matmuls
     from step4_gpt2 import train_ops as ops
-    x, dy = cuda(rnd(1000, 97, seed=1)), cuda(rnd(1000, 40, seed=2))
-    ref = x.get().astype(np.float64).T @ dy.get()
-    with tf32_matmuls():
-        out = ops.weight_grad(x, dy, out=poison(cp.empty((97, 40), cp.float32)))
-        assert cp.array_equal(out, gemm(dy.T, x).T)
-    assert max_rel_error(out.get(), ref) < 5e-3                   # TF32: 10-bit mantissas
-    out = ops.weight_grad(x, dy, out=poison(cp.empty((97, 40), cp.float32)))
-    assert cp.array_equal(out, gemm(x.T, dy))
-    assert_close(out, ref, rtol=1e-5)
+    for n_in, transposed in ((160, True), (97, False)):
+        x, dy = cuda(rnd(1000, n_in, seed=1)), cuda(rnd(1000, 40, seed=2))
+        ref = x.get().astype(np.float64).T @ dy.get()
+        with tf32_matmuls():
+            out = ops.weight_grad(x, dy, out=poison(cp.empty((n_in, 40), cp.float32)))
+            assert cp.array_equal(out, gemm(dy.T, x).T if transposed else gemm(x.T, dy))
+        assert max_rel_error(out.get(), ref) < 5e-3               # TF32: 10-bit mantissas
+        out = ops.weight_grad(x, dy, out=poison(cp.empty((n_in, 40), cp.float32)))
+        assert cp.array_equal(out, gemm(x.T, dy))
+        assert_close(out, ref, rtol=1e-5)
 
 @gpu
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (17, 33, 5), (1, 384, 1152), (1000, 385, 67), (16384, 384, 65)])
