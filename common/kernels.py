@@ -172,6 +172,9 @@ def get_kernel(path: str | os.PathLike, name: str, defines: dict | None = None, 
     return _kernels[key][1]
 
 
+_libcuda = None
+
+
 def _driver():
     """The CUDA driver library (libcuda), for the two calls CuPy does not wrap."""
     global _libcuda
@@ -180,9 +183,6 @@ def _driver():
         import sys
         _libcuda = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
     return _libcuda
-
-
-_libcuda = None
 
 
 def stream_priorities() -> tuple[int, int]:

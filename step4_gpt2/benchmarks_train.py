@@ -267,19 +267,29 @@ def train_breakdown_rows() -> list[Row]:
     return rows
 
 
+ATT_H, ATT_D = 6, 64                  # the attention rows: shakespeare_char's heads, 16,384 tokens at each T
+
+
+def _attention_inputs():
+    """(T, B, qkv, bias, dout) at T = 256 and 1024, B*T = 16384: random, the same for every attention row."""
+    import cupy as cp
+    C = ATT_H * ATT_D
+    for T_, B_ in ((256, 64), (1024, 16)):
+        rng = np.random.default_rng(0)
+        yield (T_, B_, cp.asarray(rng.standard_normal((B_, T_, 3 * C), dtype=np.float32)),
+               cp.asarray(0.1 * rng.standard_normal(3 * C, dtype=np.float32)),
+               cp.asarray(rng.standard_normal((B_, T_, C), dtype=np.float32)))
+
+
 def train_attention_rows() -> list[Row]:
     """Attention backward v1 (materialised P, cuBLAS batched GEMMs) vs v2 (flash-style, FMA units) vs v3
     (flash-style, tensor cores at fp32 accuracy), and the forward v2 vs v3, 6 heads of 64, B*T = 16384 tokens at
     T = 256 and at T = 1024, beside PyTorch's fp32 scaled_dot_product_attention (v3 where the GPU has sm_80+)."""
     import cupy as cp
     from step4_gpt2 import train_ops as ops
-    rows, H, D = [], 6, 64
-    for T_, B_ in ((256, 64), (1024, 16)):
+    rows, H, D = [], ATT_H, ATT_D
+    for T_, B_, qkv, bias, dout in _attention_inputs():
         C = H * D
-        rng = np.random.default_rng(0)
-        qkv = cp.asarray(rng.standard_normal((B_, T_, 3 * C), dtype=np.float32))
-        bias = cp.asarray(0.1 * rng.standard_normal(3 * C, dtype=np.float32))
-        dout = cp.asarray(rng.standard_normal((B_, T_, C), dtype=np.float32))
         out, lse = ops.attention_forward(qkv, bias, H, version=2)
         dqkv = cp.empty_like(qkv)
         causal = B_ * H * T_ * (T_ + 1) / 2 * D * 2       # FLOPs of one causal T x T x D product
@@ -316,42 +326,28 @@ def train_attention_rows() -> list[Row]:
 
 
 def train_split_rows() -> list[Row]:
-    """Attention v3's kernels with each way of splitting an operand into TF32 parts (train_attention_tc.cu's
-    TF32_SPLIT): 2 = PTX's cvt.rna.tf32.f32 for both parts, 1 = the same rounding in integer instructions (the same
-    bits), 0 = the small part left to the tensor core's truncation (the default). Forward, and the backward's two
-    kernels (dK/dV with dS, then dQ); 6 heads of 64 at T = 256 and 1024. sm_80+ only."""
-    import math
-    import cupy as cp
-    from common import get_kernel
+    """Attention v3 with each way of splitting an operand into TF32 parts (train_ops.TF32_SPLITS): 2 = PTX's
+    cvt.rna.tf32.f32 for both parts, 1 = the same rounding in integer instructions (the same bits), 0 = the small
+    part left to the tensor core's truncation (the default). Forward and backward, on the inputs of
+    train_attention_rows. sm_80+ only."""
     from step4_gpt2 import train_ops as ops
     if ops.default_attention_version() != 3:
         return []
-    rows, H, D = [], 6, 64
-    for T_, B_ in ((256, 64), (1024, 16)):
-        C, nt = H * D, -(-T_ // 16)
-        rng = np.random.default_rng(0)
-        qkv = cp.asarray(rng.standard_normal((B_, T_, 3 * C), dtype=np.float32))
-        bias = cp.asarray(0.1 * rng.standard_normal(3 * C, dtype=np.float32))
-        dout = cp.asarray(rng.standard_normal((B_, T_, C), dtype=np.float32))
-        out, lse = cp.empty((B_, T_, C), cp.float32), cp.empty((B_, H, T_), cp.float32)
-        dqkv, ds = cp.empty_like(qkv), cp.empty(B_ * H * (nt * (nt + 1) // 2) * 256, cp.float32)
-        grid, ints = (-(-T_ // ops.TC_ROWS), B_ * H), (np.int32(T_), np.int32(H), np.float32(1 / math.sqrt(D)))
+    rows, H, D = [], ATT_H, ATT_D
+    for T_, B_, qkv, bias, dout in _attention_inputs():
+        out, lse = ops.attention_forward(qkv, bias, H, version=3)
+        dqkv = ops.attention_backward(dout, qkv, bias, out, lse, H, version=3)
         size, base = f"B{B_} H{H} T{T_} D{D}", {}
         for split, what in ((2, "cvt.rna"), (1, "integer rounding"), (0, "small part truncated")):
-            k = {n: get_kernel(ops.CU_TC, n, {"HEAD_DIM": D, "TF32_SPLIT": split})
-                 for n in ("attention_forward_tc", "attention_dkv_tc", "attention_dq_tc")}
-            fwd = lambda k=k: k["attention_forward_tc"](grid, (ops.TC_WARPS * 32,), (qkv, bias, out, lse, *ints))
-            fwd()
-            delta = ops.attention_delta(dout, out, H)
-
-            def bwd(k=k, delta=delta):
-                k["attention_dkv_tc"](grid, (ops.TC_WARPS * 32,), (qkv, bias, dout, lse, delta, dqkv, ds, *ints))
-                k["attention_dq_tc"](grid, (ops.TC_WARPS * 32,), (qkv, bias, ds, dqkv, *ints))
-            for part, fn in (("forward", fwd), ("backward kernels", bwd)):
+            fwd = lambda s=split: ops.attention_forward(qkv, bias, H, out=out, lse=lse, version=3, tf32_split=s)  # noqa: E731
+            bwd = lambda s=split: ops.attention_backward(dout, qkv, bias, out, lse, H, dqkv=dqkv, version=3,  # noqa: E731
+                                                         tf32_split=s)
+            for part, fn in (("forward", fwd), ("backward", bwd)):
                 t = bench(fn, name=f"attention v3 {part}, split {split} ({what}) T={T_}")
                 base.setdefault(part, t)
                 rows.append(Row.of(t, size, anchor=("split 2 (cvt.rna)", base[part]) if split != 2 else None))
     return rows
+
 
 def quality(steps: int = 300, eval_every: int = 100, data=None, batch: int = B, torch_too: bool = True,
             progress: bool = False) -> tuple[dict, object]:

@@ -39,6 +39,9 @@ EMBEDDING_VERSIONS = (1, 2)           # 1: atomicAdd scatter; 2: sorted, determi
 # Attention: 1 materialises P in the backward (cuBLAS); 2 is flash-style on the FMA units (recomputes P from lse);
 # 3 is flash-style on tensor cores at fp32 accuracy (3xTF32, sm_80+). The forward of 1 and 2 is step 2's kernel.
 ATTENTION_VERSIONS = (1, 2, 3)
+# Version 3's TF32 splits (train_attention_tc.cu's TF32_SPLIT): 0 the small part truncated by the tensor core (the
+# default), 1 both parts rounded in integer instructions, 2 both rounded by cvt.rna (the same bits as 1, slower)
+TF32_SPLITS = (0, 1, 2)
 TC_WARPS, TC_ROWS = 4, 64             # train_attention_tc.cu: 4 warps, 16 rows each
 
 
@@ -46,8 +49,9 @@ def _k(name: str, head_dim: int = 64):
     return get_kernel(CU, name, {"HEAD_DIM": head_dim, **DEFINES})
 
 
-def _tc(name: str, head_dim: int = 64):
-    return get_kernel(CU_TC, name, {"HEAD_DIM": head_dim})
+def _tc(name: str, head_dim: int = 64, tf32_split: int = 0):
+    split = expect_choice(tf32_split, "tf32_split", TF32_SPLITS)
+    return get_kernel(CU_TC, name, {"HEAD_DIM": head_dim} if split == 0 else {"HEAD_DIM": head_dim, "TF32_SPLIT": split})
 
 
 def _grid(n: int) -> tuple:
@@ -235,12 +239,12 @@ def _attention_version(version):
     return version
 
 
-def attention_forward(qkv, bias, n_head: int, out=None, lse=None, version: int | None = None):
+def attention_forward(qkv, bias, n_head: int, out=None, lse=None, version: int | None = None, tf32_split: int = 0):
     """Causal attention on GPT-2's fused qkv (B, T, 3C) (+ bias (3C,), added while loading; version 3 adds it to its
     register operands and once per row for its shared-memory tiles) ->
     (out (B, T, C), lse (B, H, T)); the T x T scores never leave the chip. Versions 1 and 2: step 2's flash
     attention (flash_attention_qkv), which also writes each row's log-sum-exp when given a buffer; 3: on tensor
-    cores (train_attention_tc.cu); None: default_attention_version()."""
+    cores (train_attention_tc.cu); None: default_attention_version(). tf32_split: version 3's split (TF32_SPLITS)."""
     version = _attention_version(version)
     qkv, B, T, C, D = _qkv_shape(qkv, n_head)
     lse = out_array(lse, (B, n_head, T), name="lse")
@@ -251,7 +255,7 @@ def attention_forward(qkv, bias, n_head: int, out=None, lse=None, version: int |
     if bias is not None:
         bias = expect_array(bias, "bias", dtype=np.float32, shape=(3 * C,))
     if out.size:
-        _tc("attention_forward_tc", D)((-(-T // TC_ROWS), B * n_head), (TC_WARPS * 32,),
+        _tc("attention_forward_tc", D, tf32_split)((-(-T // TC_ROWS), B * n_head), (TC_WARPS * 32,),
                                        (qkv, _or_null(bias), out, lse, np.int32(T), np.int32(n_head),
                                         np.float32(1.0 / math.sqrt(D))))
     return out, lse
@@ -274,12 +278,14 @@ def attention_delta(dout, out, n_head: int, delta=None):
     return delta
 
 
-def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, version: int | None = None):
+def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, version: int | None = None,
+                       tf32_split: int = 0):
     """dqkv (B, T, 3C) of causal attention, from dout (B, T, C) and the forward's out and lse. The qkv bias
     gradient is column_sum(dqkv). version 1 writes the T x T probabilities (and dP) to memory and uses
     cuBLAS batched GEMMs; version 2 recomputes them tile by tile from lse and never writes a T x T matrix;
     version 3 runs on tensor cores (3xTF32) and writes dS once (the causal half of T x T) for the dQ kernel,
-    where version 2 recomputes S and dP; None: default_attention_version()."""
+    where version 2 recomputes S and dP; None: default_attention_version(). tf32_split: version 3's split
+    (TF32_SPLITS)."""
     import cupy as cp
     version = _attention_version(version)
     qkv, B, T, C, D = _qkv_shape(qkv, n_head)
@@ -301,8 +307,9 @@ def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, versio
         nt = -(-T // 16)
         ds = cp.empty(B * H * (nt * (nt + 1) // 2) * 256, cp.float32)
         grid, ints = (-(-T // TC_ROWS), B * H), (np.int32(T), np.int32(H), np.float32(scale))
-        _tc("attention_dkv_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), dout, lse, delta, dqkv, ds, *ints))
-        _tc("attention_dq_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), ds, dqkv, *ints))
+        _tc("attention_dkv_tc", D, tf32_split)(grid, (TC_WARPS * 32,),
+                                               (qkv, _or_null(bias), dout, lse, delta, dqkv, ds, *ints))
+        _tc("attention_dq_tc", D, tf32_split)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), ds, dqkv, *ints))
         return dqkv
     args = (qkv, _or_null(bias), dout, lse, delta, dqkv, np.int32(T), np.int32(H), np.float32(scale))
     if version == 2:

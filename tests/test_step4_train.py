@@ -77,7 +77,6 @@ def test_tf32_reference_matches_the_hardware():
     assert np.array_equal(y.get(), R.tf32(x))
 
 
-
 @gpu
 @pytest.mark.parametrize("B,T,H,D", [(3, 77, 6, 64), (2, 33, 3, 32)])
 def test_attention_v3_integer_rounding_is_cvt_rna(B, T, H, D):
@@ -86,26 +85,21 @@ def test_attention_v3_integer_rounding_is_cvt_rna(B, T, H, D):
     same bits from all three kernels. (The default, 0, leaves the small part to the tensor core's truncation: the
     tests against the float64 references check it.)"""
     import cupy as cp
-    from common import get_kernel
     from step4_gpt2 import train_ops as ops
     skip_without_tensor_cores(3)
-    C, nt = H * D, -(-T // 16)
+    C = H * D
     qkv, bias, dout = cuda(rnd(B, T, 3 * C, seed=T)), cuda(rnd(3 * C, seed=1, scale=0.5)), cuda(rnd(B, T, C, seed=2))
-    grid, ints = (-(-T // ops.TC_ROWS), B * H), (np.int32(T), np.int32(H), np.float32(1 / math.sqrt(D)))
     outs = []
     for split in (1, 2):
-        k = lambda name: get_kernel(ops.CU_TC, name, {"HEAD_DIM": D, "TF32_SPLIT": split})  # noqa: E731
         out, lse = poison(cp.empty((B, T, C), cp.float32)), poison(cp.empty((B, H, T), cp.float32))
-        k("attention_forward_tc")(grid, (ops.TC_WARPS * 32,), (qkv, bias, out, lse, *ints))
-        delta = ops.attention_delta(dout, out, H)
+        ops.attention_forward(qkv, bias, H, out=out, lse=lse, version=3, tf32_split=split)
         dqkv = poison(cp.empty((B, T, 3 * C), cp.float32))
-        ds = cp.empty(B * H * (nt * (nt + 1) // 2) * 256, cp.float32)
-        k("attention_dkv_tc")(grid, (ops.TC_WARPS * 32,), (qkv, bias, dout, lse, delta, dqkv, ds, *ints))
-        k("attention_dq_tc")(grid, (ops.TC_WARPS * 32,), (qkv, bias, ds, dqkv, *ints))
+        ops.attention_backward(dout, qkv, bias, out, lse, H, dqkv=dqkv, version=3, tf32_split=split)
         outs.append((out, lse, dqkv))
     for name, a, b in zip(("out", "lse", "dqkv"), *outs):
         assert not bool(cp.isnan(a).any()), name
         assert bool(cp.array_equal(a, b)), f"{name}: the integer rounding changed bits"
+
 
 @needs_torch
 def test_reference_layers_match_torch_autograd():
@@ -363,6 +357,7 @@ def test_weight_grad_of_the_mlp_projection_in_tf32():
         assert cp.array_equal(out, gemm(x.T, dy))
         assert_close(out, ref, rtol=1e-5)
 
+
 @gpu
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (17, 33, 5), (1, 384, 1152), (1000, 385, 67), (16384, 384, 65)])
 @pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
@@ -435,6 +430,7 @@ def test_a_graph_with_node_priorities_keeps_both_branches():
     graph.launch(main)
     main.synchronize()
     assert cp.array_equal(out2, gemm(a, b) + 2 * c)
+
 
 @gpu
 def test_gemms_on_two_streams_at_once_with_their_own_workspaces():
