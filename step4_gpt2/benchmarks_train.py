@@ -326,23 +326,36 @@ def train_attention_rows() -> list[Row]:
 
 
 def train_split_rows() -> list[Row]:
-    """Attention v3 with each way of splitting an operand into TF32 parts (train_ops.TF32_SPLITS): 2 = PTX's
-    cvt.rna.tf32.f32 for both parts, 1 = the same rounding in integer instructions (the same bits), 0 = the small
-    part left to the tensor core's truncation (the default). Forward and backward, on the inputs of
-    train_attention_rows. sm_80+ only."""
+    """Attention v3's kernels with each way of splitting an operand into TF32 parts (train_ops.TF32_SPLITS): 2 =
+    PTX's cvt.rna.tf32.f32 for both parts, 1 = the same rounding in integer instructions (the same bits), 0 = the
+    small part left to the tensor core's truncation (the default). The forward, and the backward's two kernels
+    (dK/dV with dS, then dQ), on the inputs of train_attention_rows; sm_80+ only. The kernels are launched here
+    directly: train_ops' argument checks and allocations take the host longer than bench's 100 us lead, and at
+    T = 256 the kernels would be timed with the gaps between them (measured: 0.37 instead of 0.29 ms)."""
+    import math
+    import cupy as cp
     from step4_gpt2 import train_ops as ops
     if ops.default_attention_version() != 3:
         return []
     rows, H, D = [], ATT_H, ATT_D
     for T_, B_, qkv, bias, dout in _attention_inputs():
+        nt = -(-T_ // 16)
         out, lse = ops.attention_forward(qkv, bias, H, version=3)
-        dqkv = ops.attention_backward(dout, qkv, bias, out, lse, H, version=3)
+        delta = ops.attention_delta(dout, out, H)
+        dqkv, ds = cp.empty_like(qkv), cp.empty(B_ * H * (nt * (nt + 1) // 2) * 256, cp.float32)
+        grid, block = (-(-T_ // ops.TC_ROWS), B_ * H), (ops.TC_WARPS * 32,)
+        ints = (np.int32(T_), np.int32(H), np.float32(1 / math.sqrt(D)))
         size, base = f"B{B_} H{H} T{T_} D{D}", {}
         for split, what in ((2, "cvt.rna"), (1, "integer rounding"), (0, "small part truncated")):
-            fwd = lambda s=split: ops.attention_forward(qkv, bias, H, out=out, lse=lse, version=3, tf32_split=s)  # noqa: E731
-            bwd = lambda s=split: ops.attention_backward(dout, qkv, bias, out, lse, H, dqkv=dqkv, version=3,  # noqa: E731
-                                                         tf32_split=s)
-            for part, fn in (("forward", fwd), ("backward", bwd)):
+            k = {n: ops._tc(n, D, split) for n in ("attention_forward_tc", "attention_dkv_tc", "attention_dq_tc")}
+
+            def fwd(k=k):
+                k["attention_forward_tc"](grid, block, (qkv, bias, out, lse, *ints))
+
+            def bwd(k=k):
+                k["attention_dkv_tc"](grid, block, (qkv, bias, dout, lse, delta, dqkv, ds, *ints))
+                k["attention_dq_tc"](grid, block, (qkv, bias, ds, dqkv, *ints))
+            for part, fn in (("forward", fwd), ("backward kernels", bwd)):
                 t = bench(fn, name=f"attention v3 {part}, split {split} ({what}) T={T_}")
                 base.setdefault(part, t)
                 rows.append(Row.of(t, size, anchor=("split 2 (cvt.rna)", base[part]) if split != 2 else None))
