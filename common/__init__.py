@@ -6,8 +6,9 @@ Everything a notebook needs is importable from here:
 """
 from common.device import (gpu_available, device_info, require_gpu, require_arch, skip_reason, torch_cuda,
                            fp32_peak_tflops)
-from common.kernels import (load_module, get_kernel, capture_graph, stream_priorities, occupancy, allow_dynamic_smem, compile_offline, kernel_source, show_source,
+from common.kernels import (load_module, get_kernel, occupancy, allow_dynamic_smem, compile_offline, kernel_source, show_source,
                             KernelCompileError, ARCHS)
+from common.graphs import capture_graph, stream_priorities
 from common.check import (assert_close, errors, max_rel_error, poison, rand, expect_array, expect_choice, out_array,
                           launch_grid)
 from common.timing import bench, Timing, copy_bandwidth

@@ -20,6 +20,7 @@ import ctypes
 import numpy as np
 
 from common.check import expect_array, out_array
+from common.graphs import cublas_call
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUDA_R_32F = 0
@@ -69,7 +70,7 @@ def _new_handle():
 
 
 def _handle(stream_ptr: int):
-    """The handle of this stream if it has one (own_workspace), else this device's, bound to the stream.
+    """(handle, workspace): the stream's if it has one (own_workspace), else this device's, bound to the stream.
     cublasSetStream resets the workspace to cuBLAS's default pool, so it is set again after every call."""
     import cupy as cp
     dev = cp.cuda.Device().id
@@ -79,7 +80,7 @@ def _handle(stream_ptr: int):
     lib, (h, ws) = _cublas(), _handles[key]
     _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream_ptr)), "cublasSetStream")
     _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.ptr), WORKSPACE_BYTES), "cublasSetWorkspace")
-    return h
+    return h, ws
 
 
 def own_workspace(stream) -> None:
@@ -162,11 +163,13 @@ def gemm(a, b, out=None):
     for name, v in (("m", m), ("n", n), ("k", k), ("a's row stride", lda), ("b's row stride", ldb)):
         if v >= 2 ** 31:
             raise ValueError(f"gemm: {name} = {v} does not fit cuBLAS's 32-bit int (a, b: {a.shape}, {b.shape})")
-    lib, h = _cublas(), _handle(cp.cuda.get_current_stream().ptr)
+    stream = cp.cuda.get_current_stream().ptr
+    lib, (h, ws) = _cublas(), _handle(stream)
     compute = CUBLAS_COMPUTE_32F_FAST_TF32 if tf32_enabled() else CUBLAS_COMPUTE_32F
     # column-major: out^T (n, m) = b^T (n, k) @ a^T (k, m)
-    _check(lib.cublasGemmEx(h, op_b, op_a, n, m, k, ctypes.byref(_ALPHA), ctypes.c_void_p(b.data.ptr), CUDA_R_32F,
-                            ldb, ctypes.c_void_p(a.data.ptr), CUDA_R_32F, lda, ctypes.byref(_BETA),
-                            ctypes.c_void_p(out.data.ptr), CUDA_R_32F, n, compute, CUBLAS_GEMM_DEFAULT),
-           f"cublasGemmEx ({m}x{k} @ {k}x{n})")
+    with cublas_call(stream, (ws.ptr, WORKSPACE_BYTES)):     # inside a capture: notes its nodes (common.graphs)
+        _check(lib.cublasGemmEx(h, op_b, op_a, n, m, k, ctypes.byref(_ALPHA), ctypes.c_void_p(b.data.ptr),
+                                CUDA_R_32F, ldb, ctypes.c_void_p(a.data.ptr), CUDA_R_32F, lda, ctypes.byref(_BETA),
+                                ctypes.c_void_p(out.data.ptr), CUDA_R_32F, n, compute, CUBLAS_GEMM_DEFAULT),
+               f"cublasGemmEx ({m}x{k} @ {k}x{n})")
     return out

@@ -23,8 +23,8 @@
 
 __device__ __forceinline__ void adamw_element(float* p, const float* g, float* m, float* v, long long i,
                                               float lr, float b1, float b2, float omb1, float omb2,
-                                              float eps, float wd, float bc1, float bc2) {
-    const float gi = g[i];
+                                              float eps, float wd, float bc1, float bc2, float gs = 1.0f) {
+    const float gi = g[i] * gs;                // gs: gradient clipping's factor (1: none; x * 1.0f == x)
     const float mi = b1 * m[i] + omb1 * gi;
     const float vi = b2 * v[i] + omb2 * gi * gi;
     m[i] = mi;
@@ -72,12 +72,15 @@ extern "C" __global__ void adamw_multi(const unsigned long long* __restrict__ pt
                                        const float* __restrict__ wds, const int* __restrict__ first_block,
                                        int n_tensors, float lr, float b1, float b2, float omb1, float omb2, float eps,
                                        float bc1, float bc2, const float* __restrict__ sched) {
-    // sched, when given, is (lr, bc1, bc2) in device memory and replaces the three arguments: a CUDA graph
+    // sched, when given, is (lr, bc1, bc2, gs) in device memory and replaces the three arguments: a CUDA graph
     // replays the arguments it captured, so what changes from step to step must live on the GPU (step 4b).
+    // gs multiplies every gradient as it is read: global-norm clipping without a pass of its own.
+    float gs = 1.0f;
     if (sched != nullptr) {
         lr = sched[0];
         bc1 = sched[1];
         bc2 = sched[2];
+        gs = sched[3];
     }
     const int t = find_tensor(first_block, n_tensors);
     float* p = reinterpret_cast<float*>(ptrs[4 * t]);
@@ -88,5 +91,5 @@ extern "C" __global__ void adamw_multi(const unsigned long long* __restrict__ pt
     const long long end = min(n, start + CHUNK);
     const float wd = wds[t];
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x)
-        adamw_element(p, g, m, v, i, lr, b1, b2, omb1, omb2, eps, wd, bc1, bc2);
+        adamw_element(p, g, m, v, i, lr, b1, b2, omb1, omb2, eps, wd, bc1, bc2, gs);
 }

@@ -342,13 +342,14 @@ class AdamW(_Optimizer):
         return [self.params[k], grads[k], self.m[k], self.v[k]]
 
     def step(self, grads: dict, multi: bool = True, sched=None):
-        """sched (multi only): a float32 CuPy array (lr, bc1, bc2) that the kernel reads instead of self.lr and
-        the bias corrections of self.t (a CUDA graph of the step must read them from the GPU)."""
+        """sched (multi only): a float32 CuPy array (lr, bc1, bc2, gs) that the kernel reads instead of self.lr and
+        the bias corrections of self.t (a CUDA graph of the step must read them from the GPU); every gradient is
+        multiplied by gs as it is read (gradient clipping's factor; 1 for none)."""
         names = self._names(grads)
         if sched is not None:
             if not multi:
                 raise ValueError("sched: only the one-launch kernel (multi=True) reads its values from the GPU")
-            expect_array(sched, "sched", dtype=np.float32, shape=(3,))
+            expect_array(sched, "sched", dtype=np.float32, shape=(4,))
         self.t += 1
         b1, b2 = self.betas
         bc1, bc2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t

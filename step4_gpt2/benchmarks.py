@@ -27,7 +27,7 @@ import tempfile
 
 import numpy as np
 
-from common.kernels import capture_graph
+from common.graphs import capture_graph
 from common.timing import bench, copy_bandwidth   # not `from common import bench`: common.benchmarks shadows it
 from common.benchmarks import Row
 

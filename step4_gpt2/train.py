@@ -11,7 +11,8 @@ A step is: encoder -> L x (LayerNorm, qkv GEMM, step 2's flash attention saving 
 fc GEMM, bias+GELU, proj GEMM, residual+LayerNorm) -> LM-head GEMM (tied to wte) -> fused classifier, then
 the same backwards (train_gpt2.cu + cuBLAS; the weight gradients on a second stream, beside the rest of the
 pass), global grad-norm clipping, and one AdamW launch for all parameters (step 3's train_update.cu).
-Parameters and gradients each live in ONE flat buffer, so the norm and the clipping are single passes.
+Parameters and gradients each live in ONE flat buffer, so the norm is a single pass (AdamW applies the clipping
+factor to each gradient as it reads it).
 Everything is deterministic: a run resumed from a checkpoint reproduces the uninterrupted run bit for bit.
 `Trainer(..., graph=True)` replays the whole step as one CUDA graph (the GEMMs go through common.cublas, which
 a capture can record; the learning rate is computed on the GPU).
@@ -364,7 +365,7 @@ class _StepGraph:
             with cp.cuda.using_allocator(self.pool.malloc):
                 self.graph = capture_graph(
                     lambda: setattr(self, "loss", trainer._step_body(self.idx, self.targets)), self.stream,
-                    node_priority=True)
+                    node_priority=True, hoist_memsets=trainer.hoist_memsets)
         except Exception as e:
             trainer.graph = False
             raise RuntimeError(f"graph=True: capturing the training step failed ({type(e).__name__}: {e}); this "
@@ -435,10 +436,11 @@ class Trainer:
         self.step_count = 0
         self._last_norm = None
         # The step counter and AdamW's t also live on the GPU, where the schedule kernel reads them.
-        self._counters, self._sched = cp.zeros(2, cp.int64), cp.zeros(3, cp.float32)
+        self._counters, self._sched = cp.zeros(2, cp.int64), cp.zeros(4, cp.float32)
         self._gpu_counters = (0, 0)        # what the host knows the GPU's counters hold (None: not known)
         self._step_graph = None
         self._graph_memory = None          # (stream, memory pool) of this trainer's graphs, made on first use
+        self.hoist_memsets = True          # common.capture_graph's: cuBLAS's memsets off the graph's critical path
 
     @property
     def last_norm(self):
@@ -455,9 +457,10 @@ class Trainer:
     def _update(self):
         """Everything after the backward pass; reads nothing from the host that changes from step to step."""
         c = self.config
-        self._last_norm = ops.clip_grad_norm(self.model.gflat, c.grad_clip)
-        ops.adamw_schedule(self._counters, self._sched, c.lr, c.min_lr, c.warmup, c.max_steps, self.opt.betas)
-        self.opt.step(self.model.grads, sched=self._sched)
+        self._last_norm = ops.grad_norm(self.model.gflat)
+        ops.adamw_schedule(self._counters, self._sched, c.lr, c.min_lr, c.warmup, c.max_steps, self.opt.betas,
+                           self._last_norm, c.grad_clip)
+        self.opt.step(self.model.grads, sched=self._sched)         # clips each gradient as it reads it
 
     def _step_body(self, idx, targets):
         loss = self.model.loss_and_grads(idx, targets, check=False)

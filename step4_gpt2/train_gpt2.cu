@@ -20,6 +20,12 @@
 //                           Saves mean and rstd (2 floats per row) for the backward pass.
 //   layernorm_backward      dx, dweight, dbias in one kernel: warp per row, dweight/dbias accumulated in
 //                           per-warp shared-memory rows (no atomics), one partial per block.
+//   ..._vec                 the same five (column_partial too) with 16-byte loads, where C % 4 == 0 and the
+//                           buffers are 16-byte aligned (train_ops checks): a quarter of the load instructions
+//                           and four times the bytes in flight per thread. The LayerNorms hold the row in
+//                           registers (VEC float4 per lane, a template parameter): each byte is read from
+//                           DRAM once and every load of a row is issued before the first is used. The column
+//                           sums add in the same order as the scalar kernels (the same bits).
 //   attention forward       not here: step 2's flash attention (flash_attention.cu, flash_attention_qkv),
 //                           which also writes lse per row when given a buffer.
 //   attention backward v1   (Python + cuBLAS) S = QK^T again, attention_probs: P from lse, written as a
@@ -30,8 +36,9 @@
 //                           owns 64 queries, walks the keys). No atomics: each output has one owner. Two
 //                           threads per row (each half of the head dims: half the registers, one shuffle
 //                           per dot product), tiles in shared memory, exponentials in the exp2 domain.
-//   adamw_schedule          one thread: the step's learning rate and AdamW's bias corrections, computed on the
-//                           GPU from step counters that live there, so a CUDA graph of the step can replay it.
+//   adamw_schedule          one thread: the step's learning rate, AdamW's bias corrections and the clipping
+//                           factor, computed on the GPU from step counters and the gradient norm that live
+//                           there, so a CUDA graph of the step can replay it.
 //
 // Compile-time knobs: HEAD_DIM (32 or 64, default 64). The launch shapes come from train_ops.py as defines
 // (no defaults, so Python and the kernels agree by construction): ATT_ROWS (query or key rows per attention
@@ -86,6 +93,26 @@ __device__ __forceinline__ float sum_row_lanes(float s, float (*part)[COLS + 1])
     return t;
 }
 
+__device__ __forceinline__ float4 operator+(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// sum_row_lanes for four columns at once (a float4 column of 4 * COLS floats per block).
+template <int LANES>
+__device__ __forceinline__ float4 sum_row_lanes4(float4 s, float4 (*part)[COLS]) {
+    part[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (threadIdx.y == 0)
+#pragma unroll
+        for (int r = 0; r < LANES; ++r) t = t + part[r][threadIdx.x];
+    return t;
+}
+
+__device__ __forceinline__ void store_partial4(float* partial, int chunk, int cols4, int c, float4 t) {
+    if (threadIdx.y == 0 && c < cols4) reinterpret_cast<float4*>(partial)[(long long)chunk * cols4 + c] = t;
+}
+
 // ------------------------------------------------------------------------------------------- embeddings
 extern "C" __global__ void encoder_forward(const int* __restrict__ idx, const float* __restrict__ wte,
                                            const float* __restrict__ wpe, float* __restrict__ out,
@@ -135,6 +162,19 @@ extern "C" __global__ void column_partial(const float* __restrict__ a, float* __
     if (threadIdx.y == 0 && c < cols) partial[(long long)blockIdx.y * cols + c] = t;
 }
 
+// column_partial over float4 columns: cols4 = cols / 4, block (COLS, ROWS) covers 4 * COLS columns.
+extern "C" __global__ void column_partial_vec(const float4* __restrict__ a, float* __restrict__ partial,
+                                              int rows, int cols4, int chunk_rows) {
+    __shared__ float4 part[ROWS][COLS];
+    const int c = blockIdx.x * COLS + threadIdx.x;
+    const int r1 = min(rows, (int)blockIdx.y * chunk_rows + chunk_rows);
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (c < cols4)
+#pragma unroll 4
+        for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) s = s + a[(long long)r * cols4 + c];
+    store_partial4(partial, blockIdx.y, cols4, c, sum_row_lanes4<ROWS>(s, part));
+}
+
 // The c_fc backward: dpre = dout * gelu'(h + bias) (dpre may be dout itself), and its column partials.
 extern "C" __global__ void gelu_backward_partial(const float* dout, const float* __restrict__ h,
                                                  const float* __restrict__ bias, float* dpre,
@@ -154,6 +194,27 @@ extern "C" __global__ void gelu_backward_partial(const float* dout, const float*
         }
     const float t = sum_row_lanes<ROWS>(s, part);
     if (threadIdx.y == 0 && c < cols) partial[(long long)blockIdx.y * cols + c] = t;
+}
+
+extern "C" __global__ void gelu_backward_partial_vec(const float4* dout, const float4* __restrict__ h,
+                                                     const float4* __restrict__ bias, float4* dpre,
+                                                     float* __restrict__ partial, int rows, int cols4, int chunk_rows) {
+    __shared__ float4 part[ROWS][COLS];
+    const int c = blockIdx.x * COLS + threadIdx.x;
+    const int r1 = min(rows, (int)blockIdx.y * chunk_rows + chunk_rows);
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4 bc = c < cols4 ? bias[c] : s;
+    if (c < cols4)
+#pragma unroll 4
+        for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) {
+            const long long i = (long long)r * cols4 + c;
+            const float4 o = dout[i], x = h[i];
+            const float4 d = make_float4(o.x * gelu_tanh_grad(x.x + bc.x), o.y * gelu_tanh_grad(x.y + bc.y),
+                                         o.z * gelu_tanh_grad(x.z + bc.z), o.w * gelu_tanh_grad(x.w + bc.w));
+            dpre[i] = d;
+            s = s + d;
+        }
+    store_partial4(partial, blockIdx.y, cols4, c, sum_row_lanes4<ROWS>(s, part));
 }
 
 // out[c] (c < split) or out2[c - split] (c >= split) = sum over chunks of partial[k, c]; accumulate = 1 adds
@@ -188,6 +249,19 @@ extern "C" __global__ void gelu_bias_forward(const float* __restrict__ h, const 
         out[i] = gelu_tanh(h[i] + bias[c]);
         c += step;
         if (c >= cols) c -= cols;
+    }
+}
+
+extern "C" __global__ void gelu_bias_forward_vec(const float4* __restrict__ h, const float4* __restrict__ bias,
+                                                 float4* __restrict__ out, long long n4, int cols4) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const int step = (int)(stride % cols4);
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int c = (int)(i % cols4); i < n4; i += stride) {
+        const float4 x = h[i], b = bias[c];
+        out[i] = make_float4(gelu_tanh(x.x + b.x), gelu_tanh(x.y + b.y), gelu_tanh(x.z + b.z), gelu_tanh(x.w + b.w));
+        c += step;
+        if (c >= cols4) c -= cols4;
     }
 }
 
@@ -263,6 +337,122 @@ extern "C" __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward(
         }
     }
     __syncthreads();
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < LN_WARPS; ++k) s += sm[k * 2 * C + c];
+        partial[(long long)blockIdx.x * 2 * C + c] = s;
+    }
+}
+
+// The row in registers: lane l holds float4 columns l, l + 32, ... (VEC of them, C <= 128 * VEC, C % 4 == 0).
+// The same arithmetic per element as layernorm_forward; the sums add in another order (last bits differ).
+template <int VEC>
+__global__ void layernorm_forward_vec(const float* x, const float* y, const float* __restrict__ ybias,
+                                      float* resid, const float* __restrict__ w, const float* __restrict__ b,
+                                      float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                      int N, int C, float eps) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const int C4 = C / 4;
+    const long long off = (long long)row * C4;
+    float4 v[VEC];
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+        const int c = lane + 32 * k;
+        if (c < C4) {
+            v[k] = reinterpret_cast<const float4*>(x)[off + c];
+            if (y) {
+                v[k] = v[k] + reinterpret_cast<const float4*>(y)[off + c];
+                if (ybias) v[k] = v[k] + reinterpret_cast<const float4*>(ybias)[c];
+                reinterpret_cast<float4*>(resid)[off + c] = v[k];
+            }
+            s += v[k].x + v[k].y + v[k].z + v[k].w;
+        }
+    }
+    const float m = warp_sum(s) / C;
+    float q = 0.0f;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+        if (lane + 32 * k < C4) {
+            const float4 d = make_float4(v[k].x - m, v[k].y - m, v[k].z - m, v[k].w - m);
+            q += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
+        }
+    const float r = 1.0f / sqrtf(warp_sum(q) / C + eps);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+        const int c = lane + 32 * k;
+        if (c < C4) {
+            const float4 g = reinterpret_cast<const float4*>(w)[c], bb = reinterpret_cast<const float4*>(b)[c];
+            reinterpret_cast<float4*>(out)[off + c] = make_float4((v[k].x - m) * r * g.x + bb.x,
+                (v[k].y - m) * r * g.y + bb.y, (v[k].z - m) * r * g.z + bb.z, (v[k].w - m) * r * g.w + bb.w);
+        }
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = r;
+    }
+}
+
+// layernorm_backward with the row in registers (as layernorm_forward_vec): dy, x (and dx when accumulating)
+// loaded once, all at the start of a row. The per-warp dweight | dbias rows are the same floats as there,
+// seen as float4.
+template <int VEC>
+__global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward_vec(
+        const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
+        const float* __restrict__ mean, const float* __restrict__ rstd, float* dx, float* __restrict__ partial,
+        int N, int C, int rows_per_block, int accumulate) {
+    extern __shared__ float4 sm4[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, C4 = C / 4;
+    float4* dw = sm4 + warp * 2 * C4;
+    float4* db = dw + C4;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c = lane; c < 2 * C4; c += 32) dw[c] = zero;
+    float4 wv[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) wv[k] = lane + 32 * k < C4 ? reinterpret_cast<const float4*>(w)[lane + 32 * k] : zero;
+    const int r1 = min(N, (int)blockIdx.x * rows_per_block + rows_per_block);
+    for (int row = blockIdx.x * rows_per_block + warp; row < r1; row += LN_WARPS) {
+        const long long off = (long long)row * C4;
+        float4 d[VEC], xv[VEC], old[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            const int c = lane + 32 * k;
+            d[k] = xv[k] = old[k] = zero;
+            if (c < C4) {
+                d[k] = reinterpret_cast<const float4*>(dy)[off + c];
+                xv[k] = reinterpret_cast<const float4*>(x)[off + c];
+                if (accumulate) old[k] = reinterpret_cast<const float4*>(dx)[off + c];
+            }
+        }
+        const float m = mean[row], r = rstd[row];
+        float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {           // columns past C are zeros: they add nothing
+            const float4 g = make_float4(d[k].x * wv[k].x, d[k].y * wv[k].y, d[k].z * wv[k].z, d[k].w * wv[k].w);
+            sg += g.x + g.y + g.z + g.w;
+            sgx += g.x * (xv[k].x - m) * r + g.y * (xv[k].y - m) * r + g.z * (xv[k].z - m) * r + g.w * (xv[k].w - m) * r;
+        }
+        sg = warp_sum(sg) / C;
+        sgx = warp_sum(sgx) / C;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            const int c = lane + 32 * k;
+            if (c < C4) {
+                const float4 xh = make_float4((xv[k].x - m) * r, (xv[k].y - m) * r, (xv[k].z - m) * r, (xv[k].w - m) * r);
+                float4 v = make_float4(r * (d[k].x * wv[k].x - sg - xh.x * sgx), r * (d[k].y * wv[k].y - sg - xh.y * sgx),
+                                       r * (d[k].z * wv[k].z - sg - xh.z * sgx), r * (d[k].w * wv[k].w - sg - xh.w * sgx));
+                if (accumulate) v = old[k] + v;
+                reinterpret_cast<float4*>(dx)[off + c] = v;
+                const float4 a = dw[c], e = db[c];
+                dw[c] = make_float4(a.x + d[k].x * xh.x, a.y + d[k].y * xh.y, a.z + d[k].z * xh.z, a.w + d[k].w * xh.w);
+                db[c] = e + d[k];
+            }
+        }
+    }
+    __syncthreads();
+    const float* sm = reinterpret_cast<const float*>(sm4);
     for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
         float s = 0.0f;
 #pragma unroll
@@ -459,9 +649,12 @@ extern "C" __global__ void attention_dscores(const float* __restrict__ p, float*
 // One thread: the learning rate of step counters[0] (linear warm-up, then cosine decay to min_lr at max_steps:
 // common/reference/train_gpt2.py's lr_at) and AdamW's bias corrections 1 - b^t for t = counters[1] + 1, in
 // double as Python computes them, rounded once to float32 into sched (lr, bc1, bc2); then both counters step on.
-// The step reads them from the GPU, so a CUDA graph of it replays a new learning rate every time.
+// sched[3] is global-norm clipping's factor min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s;
+// 1 with max_norm = 0), which AdamW applies to each gradient as it reads it. The step reads them from the GPU, so
+// a CUDA graph of it replays a new learning rate every time.
 extern "C" __global__ void adamw_schedule(long long* counters, float* sched, double lr, double min_lr,
-                                          long long warmup, long long max_steps, double b1, double b2) {
+                                          long long warmup, long long max_steps, double b1, double b2,
+                                          const float* __restrict__ norm, float max_norm) {
     const long long step = counters[0], t = counters[1] + 1;
     double r;
     if (step < warmup) r = lr * (double)(step + 1) / (double)warmup;
@@ -473,6 +666,7 @@ extern "C" __global__ void adamw_schedule(long long* counters, float* sched, dou
     sched[0] = (float)r;
     sched[1] = (float)(1.0 - pow(b1, (double)t));
     sched[2] = (float)(1.0 - pow(b2, (double)t));
+    sched[3] = max_norm > 0.0f ? fminf(1.0f, max_norm / (*norm + 1e-6f)) : 1.0f;
     counters[0] = step + 1;
     counters[1] = t;
 }

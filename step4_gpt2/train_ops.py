@@ -30,7 +30,9 @@ COLS, ROWS = 32, 8                    # column kernels: block (COLS, ROWS)
 FINISH_ROWS = 32                      # column_finish: block (COLS, FINISH_ROWS)
 LN_WARPS = 4                          # layernorm_backward: warps per block
 DEFINES = {"ATT_ROWS": ATT_ROWS, "COLS": COLS, "ROWS": ROWS, "FINISH_ROWS": FINISH_ROWS, "LN_WARPS": LN_WARPS}
+LN_VECS = (1, 2, 3, 4, 6, 8)          # the LayerNorms' _vec kernels: float4 per lane (C <= 128 * VEC)
 CU_DEFINES = {CU: DEFINES}            # for tests/test_compile.py (HEAD_DIM: the .cu's default, 64)
+CU_TEMPLATES = {CU: tuple(f"layernorm_{d}_vec<{v}>" for d in ("forward", "backward") for v in LN_VECS)}
 CHUNK_ROWS = 256                      # rows per partial in the column sums
 LN_ROWS_PER_BLOCK = 32                # layernorm_backward: rows per block (8 per warp)
 V3_MAX_T = 65536                      # attention v3: a head's (T/16)^2/2 dS tiles of 256 floats, below 2^31
@@ -46,7 +48,19 @@ TC_WARPS, TC_ROWS = 4, 64             # train_attention_tc.cu: 4 warps, 16 rows 
 
 
 def _k(name: str, head_dim: int = 64):
-    return get_kernel(CU, name, {"HEAD_DIM": head_dim, **DEFINES})
+    return get_kernel(CU, name, {"HEAD_DIM": head_dim, **DEFINES}, templates=CU_TEMPLATES[CU])
+
+
+def _vec4(cols: int, *arrays) -> bool:
+    """Whether the _vec kernels (float4 loads) apply: rows of a multiple of 4 floats, every buffer 16-byte aligned."""
+    return cols % 4 == 0 and all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _ln_vec(C: int, *arrays) -> int | None:
+    """The LayerNorms' VEC for a row of C floats (the smallest in LN_VECS that holds it), or None: scalar kernels."""
+    if not _vec4(C, *arrays):
+        return None
+    return next((v for v in LN_VECS if 128 * v >= C), None)
 
 
 def _tc(name: str, head_dim: int = 64, tf32_split: int = 0):
@@ -123,7 +137,10 @@ def column_sum(a, out=None, accumulate: bool = False):
         return out
     chunks = max(1, -(-rows // CHUNK_ROWS))
     partial = cp.empty((chunks, cols), cp.float32)
-    if rows:
+    if rows and _vec4(cols, a):
+        _k("column_partial_vec")((-(-cols // (4 * COLS)), chunks), (COLS, ROWS),
+                                 (a, partial, np.int32(rows), np.int32(cols // 4), np.int32(CHUNK_ROWS)))
+    elif rows:
         _k("column_partial")((-(-cols // COLS), chunks), (COLS, ROWS),
                              (a, partial, np.int32(rows), np.int32(cols), np.int32(CHUNK_ROWS)))
     else:
@@ -138,7 +155,10 @@ def gelu_bias_forward(h, bias, out=None):
     h = expect_array(h, "h", dtype=np.float32, ndim=2)
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(h.shape[1],))
     out = out_array(out, h.shape)
-    if h.size:
+    if h.size and _vec4(h.shape[1], h, bias, out):
+        _k("gelu_bias_forward_vec")(_grid(h.size // 4), (BLOCK,),
+                                    (h, bias, out, np.int64(h.size // 4), np.int32(h.shape[1] // 4)))
+    elif h.size:
         _k("gelu_bias_forward")(_grid(h.size), (BLOCK,), (h, bias, out, np.int64(h.size), np.int32(h.shape[1])))
     return out
 
@@ -156,7 +176,11 @@ def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None):
     partial = cp.empty((chunks, cols), cp.float32)
     if not rows:
         partial.fill(0)
-    if dout.size:
+    if dout.size and _vec4(cols, dout, h, bias, dpre):
+        _k("gelu_backward_partial_vec")((-(-cols // (4 * COLS)), chunks), (COLS, ROWS),
+                                        (dout, h, bias, dpre, partial, np.int32(rows), np.int32(cols // 4),
+                                         np.int32(CHUNK_ROWS)))
+    elif dout.size:
         _k("gelu_backward_partial")((-(-cols // COLS), chunks), (COLS, ROWS),
                                     (dout, h, bias, dpre, partial, np.int32(rows), np.int32(cols), np.int32(CHUNK_ROWS)))
     if cols:
@@ -180,10 +204,12 @@ def layernorm_forward(x, weight, bias, eps: float = 1e-5, y=None, ybias=None, ou
             ybias = expect_array(ybias, "ybias", dtype=np.float32, shape=(C,))
     out = out_array(out, (N, C))
     mean, rstd = out_array(mean, (N,), name="mean"), out_array(rstd, (N,), name="rstd")
+    resid = resid if y is not None else None
+    vec = _ln_vec(C, x, y, ybias, resid, weight, bias, out)
+    name = "layernorm_forward" if vec is None else f"layernorm_forward_vec<{vec}>"
     if N:
-        _k("layernorm_forward")(launch_grid(N, BLOCK // 32), (BLOCK,),
-                                (x, _or_null(y), _or_null(ybias), _or_null(resid if y is not None else None), weight,
-                                 bias, out, mean, rstd, np.int32(N), np.int32(C), np.float32(eps)))
+        _k(name)(launch_grid(N, BLOCK // 32), (BLOCK,), (x, _or_null(y), _or_null(ybias), _or_null(resid), weight,
+                                                         bias, out, mean, rstd, np.int32(N), np.int32(C), np.float32(eps)))
     return (out, mean, rstd) if y is None else (resid, out, mean, rstd)
 
 
@@ -203,7 +229,8 @@ def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=N
     if not N:
         partial.fill(0)
     if N and C:
-        kernel = _k("layernorm_backward")
+        vec = _ln_vec(C, dy, x, weight, dx)
+        kernel = _k("layernorm_backward" if vec is None else f"layernorm_backward_vec<{vec}>")
         smem = LN_WARPS * 2 * C * 4
         allow_dynamic_smem(kernel, smem, f"layernorm_backward with C={C}")
         kernel((blocks,), (LN_WARPS * 32,), (dy, x, weight, mean, rstd, dx, partial, np.int32(N), np.int32(C),
@@ -420,33 +447,29 @@ def classifier(logits, targets, losses=None, scale: float | None = None, grad: b
 
 
 # ---------------------------------------------------------------------------------------- optimiser schedule
-def adamw_schedule(counters, sched, lr: float, min_lr: float, warmup: int, max_steps: int, betas):
-    """One thread on the GPU: sched (3,) float32 = (lr_at(counters[0]), 1 - b1^t, 1 - b2^t) with t = counters[1]
-    + 1, then counters (2,) int64 += 1: the values step 3's AdamW reads with sched=, from the GPU."""
+def adamw_schedule(counters, sched, lr: float, min_lr: float, warmup: int, max_steps: int, betas, norm,
+                   max_norm: float):
+    """One thread on the GPU: sched (4,) float32 = (lr_at(counters[0]), 1 - b1^t, 1 - b2^t, clipping factor
+    min(1, max_norm / (norm + 1e-6)), or 1 for max_norm = 0) with t = counters[1] + 1, then counters (2,) int64
+    += 1: the values step 3's AdamW reads with sched=, from the GPU. norm: grad_norm's result (a CuPy scalar)."""
     counters = expect_array(counters, "counters", dtype=np.int64, shape=(2,))
-    sched = expect_array(sched, "sched", dtype=np.float32, shape=(3,))
+    sched = expect_array(sched, "sched", dtype=np.float32, shape=(4,))
+    norm = expect_array(norm, "norm", dtype=np.float32, shape=())
     _k("adamw_schedule")((1,), (1,), (counters, sched, np.float64(lr), np.float64(min_lr), np.int64(warmup),
-                                      np.int64(max_steps), np.float64(betas[0]), np.float64(betas[1])))
+                                      np.int64(max_steps), np.float64(betas[0]), np.float64(betas[1]), norm,
+                                      np.float32(max_norm)))
     return sched
 
 
 # ---------------------------------------------------------------------------------------- gradient clipping
 @functools.lru_cache(maxsize=None)
-def _clip_kernels():
-    """CuPy-generated kernels of clip_grad_norm: the norm (one reduction) and the in-place scaling."""
+def _norm_kernel():
     import cupy as cp
-    norm = cp.ReductionKernel("float32 g", "float32 n", "g * g", "a + b", "n = sqrt(a)", "0", "grad_norm")
-    clip = cp.ElementwiseKernel("float32 n, float32 max_norm", "float32 g",
-                                "g *= min(1.0f, max_norm / (n + 1e-6f))", "clip_by_norm")
-    return norm, clip
+    return cp.ReductionKernel("float32 g", "float32 n", "g * g", "a + b", "n = sqrt(a)", "0", "grad_norm")
 
 
-def clip_grad_norm(gflat, max_norm: float):
-    """Global gradient-norm clipping over the flat gradient buffer, on the GPU (no sync): g *= min(1,
-    max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_. Returns the norm (a CuPy scalar)."""
-    gflat = expect_array(gflat, "gflat", dtype=np.float32, ndim=1)
-    norm_k, clip_k = _clip_kernels()
-    norm = norm_k(gflat)
-    if max_norm > 0:
-        clip_k(norm, np.float32(max_norm), gflat)
-    return norm
+def grad_norm(gflat):
+    """The global gradient norm over the flat gradient buffer, on the GPU (no sync; a CuPy scalar). Clipping
+    itself costs no pass of its own: adamw_schedule turns the norm into torch.nn.utils.clip_grad_norm_'s factor
+    min(1, max_norm / (norm + 1e-6)), and AdamW multiplies each gradient by it as it reads it."""
+    return _norm_kernel()(expect_array(gflat, "gflat", dtype=np.float32, ndim=1))

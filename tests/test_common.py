@@ -242,6 +242,52 @@ def test_occupancy_is_the_drivers_count_and_names_a_limit(tmp_path):
     assert k.max_dynamic_shared_size_bytes == device_info()["shared_per_block_optin"]
 
 
+@pytest.mark.gpu
+def test_a_library_calls_workspace_memsets_move_off_the_graphs_path():
+    """capture_graph moves a memset that a library call (noted by common.graphs.cublas_call, as cublas.gemm
+    notes its cuBLAS calls) makes into its own workspace: it then waits for the previous call on that workspace
+    only, and the replay gives the same result. Two such calls with a kernel between them, the workspace
+    filled with garbage before each replay; a memset outside the workspace, or not the call's first node,
+    stays where it is."""
+    import cupy as cp
+    from common import capture_graph
+    from common.graphs import CapturedGraph, cublas_call
+    ws, other = cp.empty(64, cp.int32), cp.empty(64, cp.int32)
+    add_ws = cp.ElementwiseKernel("float32 x, raw int32 ws", "float32 y", "y = x + ws[0] + ws[63] + 1.0f",
+                                  "add_ws")
+    x = cp.asarray(rand(1000, seed=5))
+    y, z, w = (poison(cp.empty_like(x)) for _ in range(3))
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def call(src, dst, also_other=False):
+        with cublas_call(stream.ptr, (ws.data.ptr, ws.nbytes)):
+            cp.cuda.runtime.memsetAsync(ws.data.ptr, 0, ws.nbytes, stream.ptr)
+            add_ws(src, ws, dst)
+            if also_other:
+                cp.cuda.runtime.memsetAsync(ws.data.ptr, 0, 4, stream.ptr)        # not the call's first node
+                cp.cuda.runtime.memsetAsync(other.data.ptr, 0, 4, stream.ptr)     # outside the workspace
+
+    def body():
+        call(x, y)
+        cp.multiply(y, 2.0, out=z)
+        call(z, w, also_other=True)
+
+    with stream:
+        body()
+    stream.synchronize()
+    for hoist in (True, False):
+        y[...], z[...], w[...] = cp.nan, cp.nan, cp.nan
+        g = capture_graph(body, stream, hoist_memsets=hoist)
+        assert isinstance(g, CapturedGraph) == hoist
+        if hoist:
+            assert g.hoisted == 2
+        for _ in range(3):
+            ws.fill(7)
+            g.launch(stream)
+            stream.synchronize()
+            assert_close(w, (x.get().astype(np.float64) + 1) * 2 + 1)
+
+
 def test_fp32_peak_is_computed_from_device_info(monkeypatch):
     """One cached device query: the peak is SMs x fp32 lanes per SM x 2 x the clock device_info() reports."""
     import common.device as dev

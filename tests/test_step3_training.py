@@ -296,24 +296,32 @@ def test_update_kernels(multi):
 
 @gpu
 def test_adamw_reads_its_schedule_from_the_gpu():
-    """sched= (lr, bc1, bc2) in device memory (what a CUDA graph of a step needs, step 4b) gives the bits the
-    host's values give; the per-tensor kernels refuse it."""
+    """sched= (lr, bc1, bc2, gs) in device memory (what a CUDA graph of a step needs, step 4b) gives the bits the
+    host's values give, with every gradient multiplied by gs as it is read (clipping: the bits of AdamW on
+    gradients scaled beforehand); the per-tensor kernels refuse it."""
     params, ctx, t = problem(V=300, E=16, H=40, K=2, B=5, seed=3)
     _, g = mlp.loss_and_grads(params, ctx, t)
     grads = {k: cp.asarray(g[k], dtype=cp.float32) for k in mlp.PARAMS}
-    models = [T.Model(300, 16, 40, 2, init=params) for _ in range(2)]
+    gs = np.float32(0.3719)
+    scaled = {k: v * gs for k, v in grads.items()}
+    models = [T.Model(300, 16, 40, 2, init=params) for _ in range(4)]
     opts = [T.AdamW(m.params, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1) for m in models]
     for step in range(1, 4):
         opts[0].step(grads)
-        sched = np.array([1e-2, 1.0 - 0.8 ** step, 1.0 - 0.95 ** step], np.float32)
+        opts[2].step(scaled)
+        sched = np.array([1e-2, 1.0 - 0.8 ** step, 1.0 - 0.95 ** step, 1.0], np.float32)
         opts[1].lr = 123.0                                   # ignored: the GPU's values win
         opts[1].step(grads, sched=cp.asarray(sched))
+        sched[3] = gs
+        opts[3].step(grads, sched=cp.asarray(sched))
     for k in mlp.PARAMS:
         assert cp.array_equal(models[0].params[k], models[1].params[k]), k
+        assert cp.array_equal(models[2].params[k], models[3].params[k]), k
+        assert not cp.array_equal(models[0].params[k], models[2].params[k]), k
     with pytest.raises(ValueError, match="sched: only the one-launch kernel"):
         opts[1].step(grads, multi=False, sched=cp.asarray(sched))
     with pytest.raises(ValueError, match="sched: expected shape"):
-        opts[1].step(grads, sched=cp.zeros(2, cp.float32))
+        opts[1].step(grads, sched=cp.zeros(3, cp.float32))
 
 
 def _trajectory_setup(steps=60, V=300, E=16, H=48, K=3, B=64):

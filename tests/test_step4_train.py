@@ -236,6 +236,15 @@ def rnd(*shape, seed=0, scale=1.0):
     return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
 
 
+def misaligned(a):
+    """a copy of a on the GPU whose data starts 4 bytes past a 16-byte boundary: the scalar kernels' path."""
+    import cupy as cp
+    buf = cp.empty(a.size + 1, cp.float32)
+    out = buf[1:].reshape(a.shape)
+    out[...] = cp.asarray(a)
+    return out
+
+
 @gpu
 @pytest.mark.parametrize("B,T,C,V", [(1, 1, 4, 3), (3, 7, 37, 11), (2, 130, 384, 65)])
 @pytest.mark.parametrize("version", [1, 2])
@@ -262,12 +271,17 @@ def test_encoder_forward_backward(B, T, C, V, version):
 
 
 @gpu
-@pytest.mark.parametrize("N,C", [(1, 4), (37, 45), (77, 384), (300, 1600)])
+@pytest.mark.parametrize("N,C,aligned", [(1, 4, True), (37, 45, True), (33, 132, True), (77, 384, True),
+                                         (77, 384, False), (9, 768, True), (300, 1600, True)])
 @pytest.mark.parametrize("fused", [False, True])
-def test_layernorm_forward_backward(N, C, fused):
+def test_layernorm_forward_backward(N, C, aligned, fused):
+    """C % 4 == 0 with aligned buffers takes the _vec kernels (the row in registers) up to C = 1024, with a last
+    float4 column that only some lanes hold at C = 132; misaligned inputs and C = 45 or 1600 the scalar ones."""
     import cupy as cp
     from step4_gpt2 import train_ops as ops
     x, y, yb, w, b, dy = rnd(N, C, seed=1), rnd(N, C, seed=2), rnd(C, seed=3), rnd(C, seed=4), rnd(C, seed=5), rnd(N, C, seed=6)
+    cuda = globals()["cuda"] if aligned else misaligned
+    assert (ops._ln_vec(C, cuda(x)) is not None) == (aligned and C % 4 == 0 and C <= 1024)
     out, mean, rstd = (poison(cp.empty(s, cp.float32)) for s in ((N, C), (N,), (N,)))
     if fused:
         resid = poison(cp.empty((N, C), cp.float32))
@@ -294,11 +308,15 @@ def test_layernorm_forward_backward(N, C, fused):
 
 
 @gpu
-@pytest.mark.parametrize("rows,cols", [(1, 1), (300, 37), (513, 1536)])
-def test_gelu_bias_and_column_sums(rows, cols):
+@pytest.mark.parametrize("rows,cols,aligned", [(1, 1, True), (300, 37, True), (7, 132, True), (513, 1536, True),
+                                               (513, 1536, False)])
+def test_gelu_bias_and_column_sums(rows, cols, aligned):
+    """cols % 4 == 0 with aligned buffers takes the _vec kernels (132: a last block of one float4 column)."""
     import cupy as cp
     from step4_gpt2 import train_ops as ops
     h, bias, dout = rnd(rows, cols, seed=1, scale=2), rnd(cols, seed=2), rnd(rows, cols, seed=3)
+    cuda = globals()["cuda"] if aligned else misaligned
+    assert ops._vec4(cols, cuda(h)) == (aligned and cols % 4 == 0)
     hg, out = cuda(h), poison(cp.empty((rows, cols), cp.float32))
     ops.gelu_bias_forward(hg, cuda(bias), out=out)
     rpre, rout = R.gelu_bias_forward(h, bias)
@@ -318,6 +336,12 @@ def test_gelu_bias_and_column_sums(rows, cols):
     again = cuda(rnd(cols, seed=9))
     ops.column_sum(cuda(dout), out=again, accumulate=True)
     assert_close(again, R.bias_grad(dout) + rnd(cols, seed=9), rtol=1e-5)
+    # the _vec kernels add each column in the scalar kernels' order: the same bits
+    assert cp.array_equal(s, ops.column_sum(misaligned(dout)))
+    scalar = misaligned(dout)
+    ops.gelu_bias_backward(scalar, misaligned(h), misaligned(bias), dpre=scalar, dbias=(db2 := cp.empty_like(db)))
+    assert cp.array_equal(scalar, inplace) and cp.array_equal(db2, db)
+    assert cp.array_equal(ops.gelu_bias_forward(misaligned(h), misaligned(bias)), out)
 
 
 @gpu
@@ -655,17 +679,23 @@ def test_twenty_adamw_steps_match_torch():
 @gpu
 def test_adamw_schedule_kernel_matches_the_host_schedule():
     """The GPU's learning rate and bias corrections equal the host's (lr_at in double, 1 - b^t), in float32 bits,
-    through warm-up, the cosine and past max_steps; the counters step on."""
+    through warm-up, the cosine and past max_steps; the counters step on. The clipping factor is
+    torch.nn.utils.clip_grad_norm_'s min(1, max_norm / (norm + 1e-6)) in float32, 1 without clipping."""
     import cupy as cp
     from step4_gpt2 import train_ops as ops
     tc = TR.TrainConfig(lr=1e-3, min_lr=1e-4, warmup=7, max_steps=40, beta1=0.9, beta2=0.999)
-    counters, sched = cp.array([0, 5], cp.int64), poison(cp.empty(3, cp.float32))
+    counters, sched = cp.array([0, 5], cp.int64), poison(cp.empty(4, cp.float32))
+    norms = np.random.default_rng(3).uniform(0.1, 3.0, 50).astype(np.float32)
     for step in range(50):
-        ops.adamw_schedule(counters, sched, tc.lr, tc.min_lr, tc.warmup, tc.max_steps, (tc.beta1, tc.beta2))
+        max_norm = (1.0, 0.0)[step % 2]
+        ops.adamw_schedule(counters, sched, tc.lr, tc.min_lr, tc.warmup, tc.max_steps, (tc.beta1, tc.beta2),
+                           cp.asarray(norms[step]), max_norm)
         t = step + 6
-        want = np.array([tc.lr_at(step), 1.0 - tc.beta1 ** t, 1.0 - tc.beta2 ** t], np.float32)
+        clip = min(np.float32(1), np.float32(max_norm) / (norms[step] + np.float32(1e-6))) if max_norm else 1.0
+        want = np.array([tc.lr_at(step), 1.0 - tc.beta1 ** t, 1.0 - tc.beta2 ** t, clip], np.float32)
         assert np.array_equal(sched.get(), want), (step, sched.get(), want)
     assert counters.get().tolist() == [50, 55]
+    assert (norms[::2] > 1).any() and (norms[::2] < 1).any()        # both sides of the threshold were seen
 
 
 @gpu
