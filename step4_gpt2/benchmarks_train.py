@@ -12,6 +12,7 @@ batches and reports the validation loss and wall time of each (the notebook and 
 
     python -m step4_gpt2.benchmarks_train            # or: python -m common.benchmarks --only step4_gpt2:train
     python -m step4_gpt2.benchmarks_train --tf32     # the step rows with TF32 GEMMs on both sides
+    python -m step4_gpt2.benchmarks_train --timeline # inside the TF32 step's CUDA graph: idle gaps, kernel times
 """
 from __future__ import annotations
 
@@ -276,6 +277,80 @@ def train_breakdown_rows() -> list[Row]:
 ATT_H, ATT_D = 6, 64                  # the attention rows: shakespeare_char's heads, 16,384 tokens at each T
 
 
+def _kernel_records(step, batches, steps: int) -> list[list[dict]]:
+    """The kernels, memsets and copies the GPU ran in each of `steps` training steps, as the profiler's trace records
+    them (name, ts and dur in us), through torch.profiler: its CUPTI session sees every kernel of the process,
+    CuPy's and cuBLAS's inside our CUDA graph included. Steps are told apart by the classifier kernel, which
+    each step runs once."""
+    import json
+    import os
+    import tempfile
+    import cupy as cp
+    torch = torch_cuda()
+    from torch.profiler import ProfilerActivity, profile
+    for x, y in batches[:3]:
+        step(x, y)
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for x, y in batches[3:4 + steps]:
+            step(x, y)
+        cp.cuda.Device().synchronize()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    finally:
+        os.unlink(path)
+    events.sort(key=lambda e: e["ts"])
+    starts = [i for i, e in enumerate(events) if e["name"].startswith("classifier_fused")]
+    return [events[a:b] for a, b in zip(starts, starts[1:])][:steps]
+
+
+def _idle(events) -> tuple[float, float, int]:
+    """(span, idle, gaps) of one step's records in ms: idle is the time no kernel, memset or copy was running."""
+    end, idle, gaps = events[0]["ts"] + events[0]["dur"], 0.0, 0
+    for e in events[1:]:
+        if e["ts"] > end:
+            idle, gaps = idle + e["ts"] - end, gaps + 1
+        end = max(end, e["ts"] + e["dur"])
+    return (end - events[0]["ts"]) / 1e3, idle / 1e3, gaps
+
+
+def train_timeline_rows(steps: int = 5, top: int = 12) -> list[Row]:
+    """Inside the CUDA graph of our TF32 step, from the profiler's timeline: how long the GPU sat idle between
+    kernels, with cuBLAS's memsets left where the capture put them and moved off the path (common.graphs), and
+    the kernels' own times in the step (concurrent kernels share the GPU, so their times add up to more than
+    the step). Needs torch (its profiler); medians over `steps` steps."""
+    import re
+    if torch_cuda() is None:
+        print("torch with CUDA not installed: no timeline rows")
+        return []
+    rows, batches = [], random_batches(steps + 4)
+    with tf32_matmuls():
+        for hoist in (False, True):
+            _, step = ours_step(graph=True, hoist=hoist)
+            records = _kernel_records(step, batches, steps)
+            span, idle, gaps = (float(np.median(v)) for v in zip(*map(_idle, records)))
+            label = "cuBLAS memsets moved off the path" if hoist else "cuBLAS memsets in place"
+            memsets = sum(e["cat"] == "gpu_memset" for e in records[0])
+            rows.append(Row(f"step timeline, {label}: span", SIZE, span))
+            rows.append(Row(f"step timeline, {label}: GPU idle in {gaps:.0f} gaps ({memsets} memsets)", SIZE, idle,
+                            ceiling="of the span", fraction=idle / span))
+    per = {}
+    for e in (e for rec in records for e in rec if e["cat"] == "kernel"):
+        name = re.sub(r"\(.*", "", e["name"])
+        name = "cuBLAS GEMM kernels" if re.search(r"gemm|cutlass|splitK", name) else name
+        n, t = per.get(name, (0, 0.0))
+        per[name] = (n + 1, t + e["dur"])
+    for name, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        rows.append(Row(f"in the step: {name} ({n // steps} per step)", SIZE, t / steps / 1e3, ceiling="of the span",
+                        fraction=t / steps / 1e3 / span))
+    return rows
+
+
 def _attention_inputs():
     """(T, B, qkv, bias, dout) at T = 256 and 1024, B*T = 16384: random, the same for every attention row."""
     import cupy as cp
@@ -522,10 +597,15 @@ if __name__ == "__main__":
     ap.add_argument("--quality-steps", type=int, default=600)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchor (it compiles for a minute)")
     ap.add_argument("--tf32", action="store_true", help="only the training-step rows, with TF32 GEMMs on both sides")
+    ap.add_argument("--timeline", action="store_true", help="only the timeline of the TF32 step's CUDA graph "
+                                                            "(idle gaps, each kernel's time in the step; needs torch)")
     args = ap.parse_args()
     if args.tf32 and args.report:
         ap.error("--tf32 runs the training-step rows only; run --report without it")
-    if args.tf32:
+    if args.timeline:
+        from common.benchmarks import table
+        print(table(train_timeline_rows()))
+    elif args.tf32:
         from common.benchmarks import table
         print(table(train_throughput_rows(compile_torch=not args.no_compile, tf32=True)))
     elif args.report:

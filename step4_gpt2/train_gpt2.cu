@@ -11,21 +11,21 @@
 //                           the last bits of dwte) changes from run to run when a token repeats.
 //   encoder_backward_v2     deterministic: positions sorted by token id (cupy.argsort, on the GPU); block
 //                           (v, column strip) sums token v's rows in a fixed order. No atomics.
-//   column_partial /        bias gradients = column sums of dy. 2-D grid: (32-column strip, chunk of rows),
+//   column_partial<T> /     bias gradients = column sums of dy. 2-D grid: (32-column strip, chunk of rows),
 //   column_finish           each block writes a partial, a second tiny kernel adds the partials in order.
 //                           Deterministic, and enough blocks to fill the GPU (a block per strip is not).
-//   gelu_bias_forward       out = gelu(h + b): one pass (h is kept, h + b is recomputed in the backward).
-//   gelu_backward_partial   dpre = dout * gelu'(h + b) AND the column partials of dpre (the c_fc bias grad).
+//   gelu_bias_forward<T>    out = gelu(h + b): one pass (h is kept, h + b is recomputed in the backward).
+//   gelu_backward_partial<T> dpre = dout * gelu'(h + b) AND the column partials of dpre (the c_fc bias grad).
 //   layernorm_forward       warp per row; optionally fused with the residual: r = x + y + bias, LN(r).
 //                           Saves mean and rstd (2 floats per row) for the backward pass.
 //   layernorm_backward      dx, dweight, dbias in one kernel: warp per row, dweight/dbias accumulated in
 //                           per-warp shared-memory rows (no atomics), one partial per block.
-//   ..._vec                 the same five (column_partial too) with 16-byte loads, where C % 4 == 0 and the
-//                           buffers are 16-byte aligned (train_ops checks): a quarter of the load instructions
-//                           and four times the bytes in flight per thread. The LayerNorms hold the row in
-//                           registers (VEC float4 per lane, a template parameter): each byte is read from
-//                           DRAM once and every load of a row is issued before the first is used. The column
-//                           sums add in the same order as the scalar kernels (the same bits).
+//   T = float4, ..._vec     16-byte loads where C % 4 == 0 and the buffers are 16-byte aligned (train_ops
+//                           checks): a quarter of the load instructions and four times the bytes in flight
+//                           per thread. The column kernels take T = float or float4 (the same order of
+//                           additions per column, so the same bits); layernorm_forward_vec/backward_vec<VEC>
+//                           hold the row in registers (VEC float4 per lane): each byte is read from DRAM once
+//                           and every load of a row is issued before the first is used.
 //   attention forward       not here: step 2's flash attention (flash_attention.cu, flash_attention_qkv),
 //                           which also writes lse per row when given a buffer.
 //   attention backward v1   (Python + cuBLAS) S = QK^T again, attention_probs: P from lse, written as a
@@ -80,37 +80,32 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x);
 }
 
-// Row lane threadIdx.y of a (COLS, LANES) block holds a partial sum s for column threadIdx.x: add the LANES
-// partials in a fixed order (no atomics: the same bits every run). The result is valid in row lane 0.
-template <int LANES>
-__device__ __forceinline__ float sum_row_lanes(float s, float (*part)[COLS + 1]) {
-    part[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    float t = 0.0f;
-    if (threadIdx.y == 0)
-#pragma unroll
-        for (int r = 0; r < LANES; ++r) t += part[r][threadIdx.x];
-    return t;
-}
-
 __device__ __forceinline__ float4 operator+(float4 a, float4 b) {
     return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
 
-// sum_row_lanes for four columns at once (a float4 column of 4 * COLS floats per block).
-template <int LANES>
-__device__ __forceinline__ float4 sum_row_lanes4(float4 s, float4 (*part)[COLS]) {
+// The column kernels' element: T = float (one column) or float4 (four neighbouring columns, 16-byte loads).
+__device__ __forceinline__ float gelu_bias(float x, float b) { return gelu_tanh(x + b); }
+__device__ __forceinline__ float4 gelu_bias(float4 x, float4 b) {
+    return make_float4(gelu_tanh(x.x + b.x), gelu_tanh(x.y + b.y), gelu_tanh(x.z + b.z), gelu_tanh(x.w + b.w));
+}
+__device__ __forceinline__ float dgelu_bias(float d, float x, float b) { return d * gelu_tanh_grad(x + b); }
+__device__ __forceinline__ float4 dgelu_bias(float4 d, float4 x, float4 b) {
+    return make_float4(d.x * gelu_tanh_grad(x.x + b.x), d.y * gelu_tanh_grad(x.y + b.y),
+                       d.z * gelu_tanh_grad(x.z + b.z), d.w * gelu_tanh_grad(x.w + b.w));
+}
+
+// Row lane threadIdx.y of a (COLS, LANES) block holds a partial sum s for column threadIdx.x: add the LANES
+// partials in a fixed order (no atomics: the same bits every run). The result is valid in row lane 0.
+template <int LANES, typename T>
+__device__ __forceinline__ T sum_row_lanes(T s, T (*part)[COLS + 1]) {
     part[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
-    float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    T t{};
     if (threadIdx.y == 0)
 #pragma unroll
         for (int r = 0; r < LANES; ++r) t = t + part[r][threadIdx.x];
     return t;
-}
-
-__device__ __forceinline__ void store_partial4(float* partial, int chunk, int cols4, int c, float4 t) {
-    if (threadIdx.y == 0 && c < cols4) reinterpret_cast<float4*>(partial)[(long long)chunk * cols4 + c] = t;
 }
 
 // ------------------------------------------------------------------------------------------- embeddings
@@ -149,72 +144,40 @@ extern "C" __global__ void encoder_backward_v2(const float* __restrict__ dx, con
 
 // ------------------------------------------------------------------------------------- column sums
 // partial[chunk, c] = sum of a[r, c] over the rows of this chunk. Block (COLS, ROWS), grid (strips, chunks).
-extern "C" __global__ void column_partial(const float* __restrict__ a, float* __restrict__ partial,
-                                          int rows, int cols, int chunk_rows) {
-    __shared__ float part[ROWS][COLS + 1];
+// cols counts T elements: with T = float4 a block covers 4 * COLS columns, each column added in the same order.
+template <typename T>
+__global__ void column_partial(const T* __restrict__ a, float* __restrict__ partial, int rows, int cols,
+                               int chunk_rows) {
+    __shared__ T part[ROWS][COLS + 1];
     const int c = blockIdx.x * COLS + threadIdx.x;
     const int r1 = min(rows, (int)blockIdx.y * chunk_rows + chunk_rows);
-    float s = 0.0f;
+    T s{};
     if (c < cols)
 #pragma unroll 4
-        for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) s += a[(long long)r * cols + c];
-    const float t = sum_row_lanes<ROWS>(s, part);
-    if (threadIdx.y == 0 && c < cols) partial[(long long)blockIdx.y * cols + c] = t;
-}
-
-// column_partial over float4 columns: cols4 = cols / 4, block (COLS, ROWS) covers 4 * COLS columns.
-extern "C" __global__ void column_partial_vec(const float4* __restrict__ a, float* __restrict__ partial,
-                                              int rows, int cols4, int chunk_rows) {
-    __shared__ float4 part[ROWS][COLS];
-    const int c = blockIdx.x * COLS + threadIdx.x;
-    const int r1 = min(rows, (int)blockIdx.y * chunk_rows + chunk_rows);
-    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (c < cols4)
-#pragma unroll 4
-        for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) s = s + a[(long long)r * cols4 + c];
-    store_partial4(partial, blockIdx.y, cols4, c, sum_row_lanes4<ROWS>(s, part));
+        for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) s = s + a[(long long)r * cols + c];
+    const T t = sum_row_lanes<ROWS>(s, part);
+    if (threadIdx.y == 0 && c < cols) reinterpret_cast<T*>(partial)[(long long)blockIdx.y * cols + c] = t;
 }
 
 // The c_fc backward: dpre = dout * gelu'(h + bias) (dpre may be dout itself), and its column partials.
-extern "C" __global__ void gelu_backward_partial(const float* dout, const float* __restrict__ h,
-                                                 const float* __restrict__ bias, float* dpre,
-                                                 float* __restrict__ partial, int rows, int cols, int chunk_rows) {
-    __shared__ float part[ROWS][COLS + 1];
+template <typename T>
+__global__ void gelu_backward_partial(const T* dout, const T* __restrict__ h, const T* __restrict__ bias, T* dpre,
+                                      float* __restrict__ partial, int rows, int cols, int chunk_rows) {
+    __shared__ T part[ROWS][COLS + 1];
     const int c = blockIdx.x * COLS + threadIdx.x;
     const int r1 = min(rows, (int)blockIdx.y * chunk_rows + chunk_rows);
-    float s = 0.0f;
-    const float bc = c < cols ? bias[c] : 0.0f;
+    T s{};
+    const T bc = c < cols ? bias[c] : s;
     if (c < cols)
 #pragma unroll 4
         for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) {
             const long long i = (long long)r * cols + c;
-            const float d = dout[i] * gelu_tanh_grad(h[i] + bc);
-            dpre[i] = d;
-            s += d;
-        }
-    const float t = sum_row_lanes<ROWS>(s, part);
-    if (threadIdx.y == 0 && c < cols) partial[(long long)blockIdx.y * cols + c] = t;
-}
-
-extern "C" __global__ void gelu_backward_partial_vec(const float4* dout, const float4* __restrict__ h,
-                                                     const float4* __restrict__ bias, float4* dpre,
-                                                     float* __restrict__ partial, int rows, int cols4, int chunk_rows) {
-    __shared__ float4 part[ROWS][COLS];
-    const int c = blockIdx.x * COLS + threadIdx.x;
-    const int r1 = min(rows, (int)blockIdx.y * chunk_rows + chunk_rows);
-    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float4 bc = c < cols4 ? bias[c] : s;
-    if (c < cols4)
-#pragma unroll 4
-        for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) {
-            const long long i = (long long)r * cols4 + c;
-            const float4 o = dout[i], x = h[i];
-            const float4 d = make_float4(o.x * gelu_tanh_grad(x.x + bc.x), o.y * gelu_tanh_grad(x.y + bc.y),
-                                         o.z * gelu_tanh_grad(x.z + bc.z), o.w * gelu_tanh_grad(x.w + bc.w));
+            const T d = dgelu_bias(dout[i], h[i], bc);
             dpre[i] = d;
             s = s + d;
         }
-    store_partial4(partial, blockIdx.y, cols4, c, sum_row_lanes4<ROWS>(s, part));
+    const T t = sum_row_lanes<ROWS>(s, part);
+    if (threadIdx.y == 0 && c < cols) reinterpret_cast<T*>(partial)[(long long)blockIdx.y * cols + c] = t;
 }
 
 // out[c] (c < split) or out2[c - split] (c >= split) = sum over chunks of partial[k, c]; accumulate = 1 adds
@@ -239,29 +202,17 @@ extern "C" __global__ void column_finish(const float* __restrict__ partial, floa
 // write h + b back (one pass fewer over the biggest activation).
 // The bias index is the column, i % cols: two 64-bit divisions per thread (i % cols, stride % cols), then the
 // column moves on by stride % cols each step (a 64-bit division per element costs about as much as the memory
-// traffic).
-extern "C" __global__ void gelu_bias_forward(const float* __restrict__ h, const float* __restrict__ bias,
-                                             float* __restrict__ out, long long n, int cols) {
+// traffic). n and cols count T elements.
+template <typename T>
+__global__ void gelu_bias_forward(const T* __restrict__ h, const T* __restrict__ bias, T* __restrict__ out,
+                                  long long n, int cols) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     const int step = (int)(stride % cols);
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (int c = (int)(i % cols); i < n; i += stride) {
-        out[i] = gelu_tanh(h[i] + bias[c]);
+        out[i] = gelu_bias(h[i], bias[c]);
         c += step;
         if (c >= cols) c -= cols;
-    }
-}
-
-extern "C" __global__ void gelu_bias_forward_vec(const float4* __restrict__ h, const float4* __restrict__ bias,
-                                                 float4* __restrict__ out, long long n4, int cols4) {
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const int step = (int)(stride % cols4);
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (int c = (int)(i % cols4); i < n4; i += stride) {
-        const float4 x = h[i], b = bias[c];
-        out[i] = make_float4(gelu_tanh(x.x + b.x), gelu_tanh(x.y + b.y), gelu_tanh(x.z + b.z), gelu_tanh(x.w + b.w));
-        c += step;
-        if (c >= cols4) c -= cols4;
     }
 }
 

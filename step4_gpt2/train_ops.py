@@ -32,7 +32,9 @@ LN_WARPS = 4                          # layernorm_backward: warps per block
 DEFINES = {"ATT_ROWS": ATT_ROWS, "COLS": COLS, "ROWS": ROWS, "FINISH_ROWS": FINISH_ROWS, "LN_WARPS": LN_WARPS}
 LN_VECS = (1, 2, 3, 4, 6, 8)          # the LayerNorms' _vec kernels: float4 per lane (C <= 128 * VEC)
 CU_DEFINES = {CU: DEFINES}            # for tests/test_compile.py (HEAD_DIM: the .cu's default, 64)
-CU_TEMPLATES = {CU: tuple(f"layernorm_{d}_vec<{v}>" for d in ("forward", "backward") for v in LN_VECS)}
+CU_TEMPLATES = {CU: tuple(f"{k}<{t}>" for k in ("column_partial", "gelu_bias_forward", "gelu_backward_partial")
+                          for t in ("float", "float4"))
+                    + tuple(f"layernorm_{d}_vec<{v}>" for d in ("forward", "backward") for v in LN_VECS)}
 CHUNK_ROWS = 256                      # rows per partial in the column sums
 LN_ROWS_PER_BLOCK = 32                # layernorm_backward: rows per block (8 per warp)
 V3_MAX_T = 65536                      # attention v3: a head's (T/16)^2/2 dS tiles of 256 floats, below 2^31
@@ -52,8 +54,13 @@ def _k(name: str, head_dim: int = 64):
 
 
 def _vec4(cols: int, *arrays) -> bool:
-    """Whether the _vec kernels (float4 loads) apply: rows of a multiple of 4 floats, every buffer 16-byte aligned."""
+    """Whether the float4 kernels apply: rows of a multiple of 4 floats, every buffer 16-byte aligned."""
     return cols % 4 == 0 and all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _elem(cols: int, *arrays) -> tuple[str, int]:
+    """(T, cols in T) for the column kernels' template: float4 where _vec4 allows it, else float."""
+    return ("float4", cols // 4) if _vec4(cols, *arrays) else ("float", cols)
 
 
 def _ln_vec(C: int, *arrays) -> int | None:
@@ -137,12 +144,10 @@ def column_sum(a, out=None, accumulate: bool = False):
         return out
     chunks = max(1, -(-rows // CHUNK_ROWS))
     partial = cp.empty((chunks, cols), cp.float32)
-    if rows and _vec4(cols, a):
-        _k("column_partial_vec")((-(-cols // (4 * COLS)), chunks), (COLS, ROWS),
-                                 (a, partial, np.int32(rows), np.int32(cols // 4), np.int32(CHUNK_ROWS)))
-    elif rows:
-        _k("column_partial")((-(-cols // COLS), chunks), (COLS, ROWS),
-                             (a, partial, np.int32(rows), np.int32(cols), np.int32(CHUNK_ROWS)))
+    if rows:
+        t, n = _elem(cols, a)
+        _k(f"column_partial<{t}>")((-(-n // COLS), chunks), (COLS, ROWS),
+                                   (a, partial, np.int32(rows), np.int32(n), np.int32(CHUNK_ROWS)))
     else:
         partial.fill(0)
     _finish(partial, chunks, cols, out, accumulate=accumulate)
@@ -155,11 +160,10 @@ def gelu_bias_forward(h, bias, out=None):
     h = expect_array(h, "h", dtype=np.float32, ndim=2)
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(h.shape[1],))
     out = out_array(out, h.shape)
-    if h.size and _vec4(h.shape[1], h, bias, out):
-        _k("gelu_bias_forward_vec")(_grid(h.size // 4), (BLOCK,),
-                                    (h, bias, out, np.int64(h.size // 4), np.int32(h.shape[1] // 4)))
-    elif h.size:
-        _k("gelu_bias_forward")(_grid(h.size), (BLOCK,), (h, bias, out, np.int64(h.size), np.int32(h.shape[1])))
+    if h.size:
+        t, n = _elem(h.shape[1], h, bias, out)
+        size = h.size * n // h.shape[1]
+        _k(f"gelu_bias_forward<{t}>")(_grid(size), (BLOCK,), (h, bias, out, np.int64(size), np.int32(n)))
     return out
 
 
@@ -176,13 +180,10 @@ def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None):
     partial = cp.empty((chunks, cols), cp.float32)
     if not rows:
         partial.fill(0)
-    if dout.size and _vec4(cols, dout, h, bias, dpre):
-        _k("gelu_backward_partial_vec")((-(-cols // (4 * COLS)), chunks), (COLS, ROWS),
-                                        (dout, h, bias, dpre, partial, np.int32(rows), np.int32(cols // 4),
-                                         np.int32(CHUNK_ROWS)))
-    elif dout.size:
-        _k("gelu_backward_partial")((-(-cols // COLS), chunks), (COLS, ROWS),
-                                    (dout, h, bias, dpre, partial, np.int32(rows), np.int32(cols), np.int32(CHUNK_ROWS)))
+    if dout.size:
+        t, n = _elem(cols, dout, h, bias, dpre)
+        _k(f"gelu_backward_partial<{t}>")((-(-n // COLS), chunks), (COLS, ROWS),
+                                          (dout, h, bias, dpre, partial, np.int32(rows), np.int32(n), np.int32(CHUNK_ROWS)))
     if cols:
         _finish(partial, chunks, cols, dbias)
     return dpre, dbias

@@ -311,7 +311,7 @@ def test_layernorm_forward_backward(N, C, aligned, fused):
 @pytest.mark.parametrize("rows,cols,aligned", [(1, 1, True), (300, 37, True), (7, 132, True), (513, 1536, True),
                                                (513, 1536, False)])
 def test_gelu_bias_and_column_sums(rows, cols, aligned):
-    """cols % 4 == 0 with aligned buffers takes the _vec kernels (132: a last block of one float4 column)."""
+    """cols % 4 == 0 with aligned buffers takes the float4 kernels (132: a last block of one float4 column)."""
     import cupy as cp
     from step4_gpt2 import train_ops as ops
     h, bias, dout = rnd(rows, cols, seed=1, scale=2), rnd(cols, seed=2), rnd(rows, cols, seed=3)
@@ -336,7 +336,7 @@ def test_gelu_bias_and_column_sums(rows, cols, aligned):
     again = cuda(rnd(cols, seed=9))
     ops.column_sum(cuda(dout), out=again, accumulate=True)
     assert_close(again, R.bias_grad(dout) + rnd(cols, seed=9), rtol=1e-5)
-    # the _vec kernels add each column in the scalar kernels' order: the same bits
+    # the float4 kernels add each column in the float kernels' order: the same bits
     assert cp.array_equal(s, ops.column_sum(misaligned(dout)))
     scalar = misaligned(dout)
     ops.gelu_bias_backward(scalar, misaligned(h), misaligned(bias), dpre=scalar, dbias=(db2 := cp.empty_like(db)))
@@ -838,3 +838,14 @@ def test_tf32_matmuls_switches_both_sides_and_restores():
     for side in before:
         assert before[side] < 1e-5 and after[side] < 1e-5, (side, before, after)
         assert inside[side] > 1e-4, f"{side}: TF32 was not used inside tf32_matmuls(): {inside}"
+
+
+def test_timeline_idle_counts_only_time_when_nothing_runs():
+    """benchmarks_train --timeline: idle time is the time between records when no kernel, memset or copy runs;
+    overlapping records (two streams) leave no gap, a record inside another's span does not end it."""
+    from step4_gpt2.benchmarks_train import _idle
+    rec = lambda ts, dur: {"ts": ts, "dur": dur}           # noqa: E731  (us, as the profiler's trace)
+    events = [rec(0, 10), rec(5, 20), rec(8, 2), rec(27, 3), rec(30, 1), rec(40, 10)]
+    span, idle, gaps = _idle(events)
+    assert (span, gaps) == (0.05, 2) and idle == pytest.approx((2 + 9) / 1e3)
+    assert _idle([rec(3, 4)]) == (0.004, 0.0, 0)
