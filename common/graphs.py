@@ -89,8 +89,9 @@ class _CublasCall:
     def __exit__(self, *exc):
         if self.before is not None and exc[0] is None:
             cid, before = self.before
-            after = _capture_state(self.stream_ptr)[1]
-            _recording[cid].append((self.workspace, before, after))
+            state = _capture_state(self.stream_ptr)
+            if state is not None:                    # else the capture failed: end_capture will say so
+                _recording[cid].append((self.workspace, before, state[1]))
         return False
 
 
@@ -205,9 +206,10 @@ def capture_graph(fn, stream=None, node_priority: bool = False, hoist_memsets: b
     require_gpu()
     stream = cp.cuda.Stream(non_blocking=True) if stream is None else stream
     stream.begin_capture()
-    cid = _capture_state(stream.ptr)[0]
-    _recording[cid] = []
+    cid = None
     try:
+        cid = _capture_state(stream.ptr)[0]
+        _recording[cid] = []
         with stream:
             fn()
     except BaseException:
@@ -217,7 +219,7 @@ def capture_graph(fn, stream=None, node_priority: bool = False, hoist_memsets: b
             pass
         raise
     finally:
-        calls = _recording.pop(cid)
+        calls = _recording.pop(cid, [])
     graph = stream.end_capture()
     moved = hoist_cublas_memsets(graph.graph, calls) if hoist_memsets else 0
     return CapturedGraph(graph, node_priority, moved) if node_priority or moved else graph

@@ -281,7 +281,8 @@ def _kernel_records(step, batches, steps: int) -> list[list[dict]]:
     """The kernels, memsets and copies the GPU ran in each of `steps` training steps, as the profiler's trace records
     them (name, ts and dur in us), through torch.profiler: its CUPTI session sees every kernel of the process,
     CuPy's and cuBLAS's inside our CUDA graph included. Steps are told apart by the classifier kernel, which
-    each step runs once."""
+    each step runs once: a step here runs from one classifier to the next, so it includes the copy of the next
+    batch and the graph's launch."""
     import json
     import os
     import tempfile
@@ -306,6 +307,9 @@ def _kernel_records(step, batches, steps: int) -> list[list[dict]]:
         os.unlink(path)
     events.sort(key=lambda e: e["ts"])
     starts = [i for i, e in enumerate(events) if e["name"].startswith("classifier_fused")]
+    if len(starts) < steps + 1:
+        raise RuntimeError(f"the profiler recorded {len(starts)} of the {steps + 1} classifier kernels it should "
+                           f"have (CUPTI dropped records?): no timeline")
     return [events[a:b] for a, b in zip(starts, starts[1:])][:steps]
 
 
@@ -342,7 +346,7 @@ def train_timeline_rows(steps: int = 5, top: int = 12) -> list[Row]:
     per = {}
     for e in (e for rec in records for e in rec if e["cat"] == "kernel"):
         name = re.sub(r"\(.*", "", e["name"])
-        name = "cuBLAS GEMM kernels" if re.search(r"gemm|cutlass|splitK", name) else name
+        name = "cuBLAS GEMM kernels" if re.search(r"gemm|cutlass|splitK|nvjet", name) else name
         n, t = per.get(name, (0, 0.0))
         per[name] = (n + 1, t + e["dur"])
     for name, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:

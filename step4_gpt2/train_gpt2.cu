@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward_vec(
     float4* dw = sm4 + warp * 2 * C4;
     float4* db = dw + C4;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int c = lane; c < 2 * C4; c += 32) dw[c] = zero;
+    for (int c = lane; c < C4; c += 32) dw[c] = db[c] = zero;   // each lane zeroes only the columns it adds to
     float4 wv[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; ++k) wv[k] = lane + 32 * k < C4 ? reinterpret_cast<const float4*>(w)[lane + 32 * k] : zero;

@@ -6,7 +6,7 @@ allocated once (the reductions' partial sums, and the attention backward's row t
 The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu), the attention
 forward is step 2's flash attention (flash_attention.cu), asked to save each row's log-sum-exp, or, in version 3,
 the tensor-core kernels of train_attention_tc.cu (forward and backward at fp32 accuracy, 3xTF32); the global
-gradient-norm clipping is two CuPy-generated kernels (a reduction and an in-place scaling).
+gradient norm is a CuPy-generated reduction, and the clipping is AdamW's (adamw_schedule makes its factor).
 """
 from __future__ import annotations
 

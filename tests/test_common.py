@@ -246,12 +246,13 @@ def test_occupancy_is_the_drivers_count_and_names_a_limit(tmp_path):
 def test_a_library_calls_workspace_memsets_move_off_the_graphs_path():
     """capture_graph moves a memset that a library call (noted by common.graphs.cublas_call, as cublas.gemm
     notes its cuBLAS calls) makes into its own workspace: it then waits for the previous call on that workspace
-    only, and the replay gives the same result. Two such calls with a kernel between them, the workspace
-    filled with garbage before each replay; a memset outside the workspace, or not the call's first node,
-    stays where it is."""
+    only, the call's kernel also waits for what came before the call, and the replay gives the same result.
+    Two such calls with a kernel between them; a memset outside the workspace, or not the call's first node,
+    stays where it is. The edges are read back from the graph."""
+    import ctypes
     import cupy as cp
     from common import capture_graph
-    from common.graphs import CapturedGraph, cublas_call
+    from common.graphs import CapturedGraph, _MemsetParams, _call, _nodes, cublas_call
     ws, other = cp.empty(64, cp.int32), cp.empty(64, cp.int32)
     add_ws = cp.ElementwiseKernel("float32 x, raw int32 ws", "float32 y", "y = x + ws[0] + ws[63] + 1.0f",
                                   "add_ws")
@@ -272,17 +273,47 @@ def test_a_library_calls_workspace_memsets_move_off_the_graphs_path():
         cp.multiply(y, 2.0, out=z)
         call(z, w, also_other=True)
 
+    def memsets(graph):
+        """{(dst, bytes): [node, ...]} of the graph's memset nodes, in no particular order."""
+        n = ctypes.c_size_t()
+        _call("cuGraphGetNodes", ctypes.c_void_p(graph), None, ctypes.byref(n))
+        nodes = (ctypes.c_void_p * n.value)()
+        _call("cuGraphGetNodes", ctypes.c_void_p(graph), nodes, ctypes.byref(n))
+        found = {}
+        for node in nodes:
+            kind, p = ctypes.c_int(), _MemsetParams()
+            _call("cuGraphNodeGetType", ctypes.c_void_p(node), ctypes.byref(kind))
+            if kind.value == 2:
+                _call("cuGraphMemsetNodeGetParams", ctypes.c_void_p(node), ctypes.byref(p))
+                found.setdefault((p.dst, p.width * p.elementSize), []).append(node)
+        return found
+
     with stream:
         body()
     stream.synchronize()
     for hoist in (True, False):
-        y[...], z[...], w[...] = cp.nan, cp.nan, cp.nan
         g = capture_graph(body, stream, hoist_memsets=hoist)
         assert isinstance(g, CapturedGraph) == hoist
+        m = memsets(g._graph.graph if hoist else g.graph)
+        first = m[ws.data.ptr, ws.nbytes]                    # each call's first node
+        m1 = next(n for n in first if not _nodes("cuGraphNodeGetDependencies", n))
+        m2 = next(n for n in first if n != m1)
+        (k1,) = _nodes("cuGraphNodeGetDependentNodes", m1)   # call 1's kernel
+        (mul,) = [n for n in _nodes("cuGraphNodeGetDependentNodes", k1) if n != m2]
+        (k2,) = _nodes("cuGraphNodeGetDependentNodes", m2)   # call 2's kernel
+        assert _nodes("cuGraphNodeGetDependencies", mul) == [k1]
+        assert _nodes("cuGraphNodeGetDependencies", m2) == ([k1] if hoist else [mul])
+        assert set(_nodes("cuGraphNodeGetDependencies", k2)) == ({m2, mul} if hoist else {m2})
+        later, outside = m[ws.data.ptr, 4][0], m[other.data.ptr, 4][0]     # not moved: after k2, in order
+        assert _nodes("cuGraphNodeGetDependencies", later) == [k2]
+        assert _nodes("cuGraphNodeGetDependencies", outside) == [later]
         if hoist:
-            assert g.hoisted == 2
+            assert g.hoisted == 2                              # m1 (no edges to change) and m2
         for _ in range(3):
-            ws.fill(7)
+            with stream:                                       # garbage in the workspace, NaN in the outputs
+                ws.fill(7)
+                for a in (y, z, w):
+                    a.fill(cp.nan)
             g.launch(stream)
             stream.synchronize()
             assert_close(w, (x.get().astype(np.float64) + 1) * 2 + 1)

@@ -271,6 +271,7 @@ def test_encoder_forward_backward(B, T, C, V, version):
 
 
 @gpu
+@pytest.mark.sanitize
 @pytest.mark.parametrize("N,C,aligned", [(1, 4, True), (37, 45, True), (33, 132, True), (77, 384, True),
                                          (77, 384, False), (9, 768, True), (300, 1600, True)])
 @pytest.mark.parametrize("fused", [False, True])
@@ -725,6 +726,35 @@ def test_graph_step_is_the_eager_step_bit_for_bit():
     graphed.model.attention_version = 1
     with pytest.raises(ValueError, match="attention_version must be 2 or 3"):
         graphed.step(cuda(idx), cuda(tgt))
+
+
+@gpu
+def test_tf32_graph_step_with_cublas_memsets_moved_is_the_eager_step_bit_for_bit():
+    """In TF32 at the shakespeare_char width, cuBLAS's Hopper GEMM kernels come with memsets into its workspace,
+    which the step's graph moves off its critical path (common.graphs): the same losses and weights, bit for bit,
+    as the step launched one by one and as the graph with the memsets where the capture put them."""
+    import cupy as cp
+    import common
+    from common.cublas import tf32_matmuls
+    sm = common.device_info()["sm"]
+    if sm < 80:
+        pytest.skip("TF32 tensor cores need sm_80 or newer")
+    cfg = TR.shakespeare_char(65)
+    tc = TR.TrainConfig(batch_size=16, warmup=2, max_steps=8)
+    with tf32_matmuls():
+        trainers = [TR.Trainer(TR.TrainGPT(cfg, seed=5), tc, graph=g) for g in (False, True, True)]
+        trainers[2].hoist_memsets = False
+        for s in range(3):
+            idx, tgt = batch(cfg, 16, 256, seed=s)
+            losses = [float(t.step(cuda(idx), cuda(tgt))) for t in trainers]
+            assert losses[0] == losses[1] == losses[2], (s, losses)
+            for t in trainers[1:]:
+                assert cp.array_equal(trainers[0].model.flat, t.model.flat), s
+    moved = trainers[1]._step_graph.graph.hoisted
+    print(f"cuBLAS memsets moved off the step's critical path: {moved}")
+    assert trainers[2]._step_graph.graph.hoisted == 0
+    if sm == 90:                       # what cuBLAS 12 and 13 do on Hopper (docs/training.md's timeline)
+        assert moved > 0
 
 
 def tiny_data(cfg):
