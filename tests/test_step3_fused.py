@@ -366,6 +366,7 @@ def test_decode_fused_is_graph_capturable():
     ws = (cp.zeros((B, H * D), cp.float32), cp.zeros(B, cp.int32))
     ops.decode_sublayer(x, q, kc, vc, lens, w, pb, lw, lb, out_residual=r, out_ln=y, workspace=ws)
     poison(r), poison(y)
+    cp.cuda.Device().synchronize()     # the fills run on the default stream, which a non-blocking one does not wait for
     stream = cp.cuda.Stream(non_blocking=True)
     graph = capture_graph(lambda: ops.decode_sublayer(x, q, kc, vc, lens, w, pb, lw, lb, out_residual=r, out_ln=y,
                                                       workspace=ws), stream)
