@@ -218,6 +218,7 @@ def test_layernorm_and_residual_are_graph_capturable():
     ops.residual_layernorm(x, p, pb, w, b, out_residual=r, out_ln=y)    # compile outside the capture
     ops.layernorm(y, w, b, out=z)
     poison(r), poison(y), poison(z)
+    cp.cuda.Device().synchronize()     # the fills run on the default stream, which a non-blocking one does not wait for
     stream = cp.cuda.Stream(non_blocking=True)
     graph = capture_graph(lambda: (ops.residual_layernorm(x, p, pb, w, b, out_residual=r, out_ln=y),
                                    ops.layernorm(y, w, b, out=z)), stream)
