@@ -130,6 +130,13 @@ def launch_grid(n: int, block: int, max_blocks: int | None = None, per_sm: int |
     return (min(blocks, max_blocks) if max_blocks else blocks,)
 
 
+def float4_rows(cols: int, *arrays) -> bool:
+    """Whether float4 (16-byte) loads and stores are legal on rows of `cols` float32s: cols % 4 == 0 and every
+    array (None is skipped) starts on a 16-byte boundary. The float4 kernels of steps 2-4 fall back to scalar
+    ones where this is False."""
+    return cols % 4 == 0 and all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+
+
 def out_array(out, shape, dtype=np.float32, name: str = "out"):
     """The output buffer of a GPU op: a new uninitialised CuPy array when `out` is None, else `out`
     checked to be a contiguous CuPy array of this shape and dtype (a named error otherwise)."""

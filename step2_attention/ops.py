@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, expect_choice, get_kernel, out_array, require_arch
+from common import expect_array, expect_choice, float4_rows, get_kernel, out_array, require_arch
 
 HERE = Path(__file__).resolve().parent
 SOFTMAX_VERSIONS = (1, 2, 3, 4)
@@ -48,7 +48,7 @@ def softmax_kernel(version: int, vec: bool = True):
 def _softmax_v4_launch(x, y, rows: int, cols: int, scale: float = 1.0, causal: bool = False,
                        period: int = 1, offset: int = 0):
     """Launch softmax_v4 (float4) or softmax_v4_scalar on already-checked buffers (y may be x)."""
-    vec = cols % 4 == 0 and x.data.ptr % 16 == 0 and y.data.ptr % 16 == 0
+    vec = float4_rows(cols, x, y)
     kernel, threads = softmax_kernel(4, vec)
     kernel((-(-rows // SOFTMAX_WARPS),), (threads,), (x, y, np.int32(rows), np.int32(cols), np.float32(scale),
                                                       np.int32(bool(causal)), np.int32(max(period, 1)),
@@ -119,7 +119,7 @@ def matmul(a, b, version: int = 3, out=None, config: dict | None = None):
     if K == 0:
         c.fill(0)
         return c
-    vec = K % 4 == 0 and N % 4 == 0 and all(p.data.ptr % 16 == 0 for p in (a, b, c))   # v3's float4 loads
+    vec = N % 4 == 0 and float4_rows(K, a, b, c)   # v3's float4 loads
     kernel, block = matmul_kernel(version, config, vec)
     cfg = {**MATMUL_V3, **(config or {})}
     tile_n, tile_m = (cfg["BN"], cfg["BM"]) if version == 3 else block     # the C tile one block computes

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, expect_choice, launch_grid, get_kernel, allow_dynamic_smem, out_array, require_gpu
+from common import (expect_array, expect_choice, float4_rows, launch_grid, get_kernel, allow_dynamic_smem, out_array,
+                    require_gpu)
 
 HERE = Path(__file__).resolve().parent
 LAYERNORM, RESIDUAL_LN = HERE / "layernorm.cu", HERE / "residual_layernorm.cu"
@@ -31,15 +32,6 @@ HURTS_DEFINES = {"KSIZE": KSIZE, "OVERFUSE_THREADS": OVERFUSE_THREADS, "OVERFUSE
 # per call; these are the defaults). tests/test_step3_fused.py compiles each one offline with them.
 CU_DEFINES = {LAYERNORM: LN_DEFINES, RESIDUAL_LN: LN_DEFINES, GLUE: GLUE_DEFINES,
               DECODE: {"HEAD_DIM": 64, "BLOCK": DECODE_BLOCK}, HURTS: HURTS_DEFINES}
-
-
-def _aligned(*arrays) -> bool:
-    return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
-
-
-def _vec(C: int, *arrays) -> bool:
-    """float4 loads are legal when every row starts on a 16-byte boundary."""
-    return C % 4 == 0 and _aligned(*arrays)
 
 
 def _rows(x, name="x"):
@@ -65,7 +57,7 @@ def layernorm(x, weight, bias, eps: float = 1e-5, version: int = 4, out=None):
         get_kernel(LAYERNORM, "layernorm_v1", LN_DEFINES)(launch_grid(N, 128), (128,), args)
         return y
     name = {2: "layernorm_v2", 3: "layernorm_v3", 4: "layernorm_v4"}[version]
-    if version == 4 and not _vec(C, x, weight, bias, y):
+    if version == 4 and not float4_rows(C, x, weight, bias, y):
         name = "layernorm_v4_scalar"     # C % 4 != 0 or an unaligned view: float loads, same algorithm
     get_kernel(LAYERNORM, name, LN_DEFINES)(launch_grid(N, LN_BLOCK // 32), (LN_BLOCK,), args)
     return y
@@ -87,7 +79,7 @@ def residual_layernorm(x, proj, proj_bias, weight, bias, eps: float = 1e-5, out_
         raise ValueError("out_ln: must not share memory with x, proj or out_residual")
     if N == 0:
         return r, y
-    vec = _vec(C, x, proj, proj_bias, weight, bias, r, y)
+    vec = float4_rows(C, x, proj, proj_bias, weight, bias, r, y)
     pb = proj_bias if proj_bias is not None else weight        # any valid pointer; has_bias = 0 ignores it
     get_kernel(RESIDUAL_LN, "residual_layernorm" if vec else "residual_layernorm_scalar", LN_DEFINES)(
         launch_grid(N, LN_BLOCK // 32), (LN_BLOCK,),

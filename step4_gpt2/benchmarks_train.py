@@ -409,7 +409,6 @@ def train_attention_rows() -> list[Row]:
     return rows
 
 
-
 def train_split_rows() -> list[Row]:
     """Attention v3's kernels with each way of splitting an operand into TF32 parts (train_ops.TF32_SPLITS): 2 =
     PTX's cvt.rna.tf32.f32 for both parts, 1 = the same rounding in integer instructions (the same bits), 0 = the

@@ -80,10 +80,6 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x);
 }
 
-__device__ __forceinline__ float4 operator+(float4 a, float4 b) {
-    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-}
-
 // The column kernels' element: T = float (one column) or float4 (four neighbouring columns, 16-byte loads).
 __device__ __forceinline__ float gelu_bias(float x, float b) { return gelu_tanh(x + b); }
 __device__ __forceinline__ float4 gelu_bias(float4 x, float4 b) {
@@ -252,6 +248,18 @@ extern "C" __global__ void layernorm_forward(const float* x, const float* y, con
     }
 }
 
+// The LayerNorm backwards' end: the block's LN_WARPS per-warp dweight | dbias rows in shared memory (sm) added in
+// a fixed order into its partial row, partial[blockIdx.x] (2C floats).
+__device__ __forceinline__ void ln_block_partial(const float* sm, float* __restrict__ partial, int C) {
+    __syncthreads();
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < LN_WARPS; ++k) s += sm[k * 2 * C + c];
+        partial[(long long)blockIdx.x * 2 * C + c] = s;
+    }
+}
+
 // dx (= or += with accumulate), and per-block partials of dweight | dbias: partial (blocks, 2C).
 // Dynamic shared memory: LN_WARPS * 2C floats; lane l only ever touches columns l, l+32, ... of its
 // warp's rows, so the accumulation needs neither atomics nor barriers.
@@ -287,13 +295,7 @@ extern "C" __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward(
             db[c] += d;
         }
     }
-    __syncthreads();
-    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < LN_WARPS; ++k) s += sm[k * 2 * C + c];
-        partial[(long long)blockIdx.x * 2 * C + c] = s;
-    }
+    ln_block_partial(sm, partial, C);
 }
 
 // The row in registers: lane l holds float4 columns l, l + 32, ... (VEC of them, C <= 128 * VEC, C % 4 == 0).
@@ -402,14 +404,7 @@ __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward_vec(
             }
         }
     }
-    __syncthreads();
-    const float* sm = reinterpret_cast<const float*>(sm4);
-    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < LN_WARPS; ++k) s += sm[k * 2 * C + c];
-        partial[(long long)blockIdx.x * 2 * C + c] = s;
-    }
+    ln_block_partial(reinterpret_cast<const float*>(sm4), partial, C);
 }
 
 // ----------------------------------------------------------------------------------------- attention

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, get_kernel, launch_grid, out_array,
-                    require_arch)
+from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, float4_rows, get_kernel, launch_grid,
+                    out_array, require_arch)
 from common.cublas import gemm, tf32_enabled
 
 CU = Path(__file__).resolve().parent / "train_gpt2.cu"
@@ -53,19 +53,14 @@ def _k(name: str, head_dim: int = 64):
     return get_kernel(CU, name, {"HEAD_DIM": head_dim, **DEFINES}, templates=CU_TEMPLATES[CU])
 
 
-def _vec4(cols: int, *arrays) -> bool:
-    """Whether the float4 kernels apply: rows of a multiple of 4 floats, every buffer 16-byte aligned."""
-    return cols % 4 == 0 and all(a is None or a.data.ptr % 16 == 0 for a in arrays)
-
-
 def _elem(cols: int, *arrays) -> tuple[str, int]:
-    """(T, cols in T) for the column kernels' template: float4 where _vec4 allows it, else float."""
-    return ("float4", cols // 4) if _vec4(cols, *arrays) else ("float", cols)
+    """(T, cols in T) for the column kernels' template: float4 where common.float4_rows allows it, else float."""
+    return ("float4", cols // 4) if float4_rows(cols, *arrays) else ("float", cols)
 
 
 def _ln_vec(C: int, *arrays) -> int | None:
     """The LayerNorms' VEC for a row of C floats (the smallest in LN_VECS that holds it), or None: scalar kernels."""
-    if not _vec4(C, *arrays):
+    if not float4_rows(C, *arrays):
         return None
     return next((v for v in LN_VECS if 128 * v >= C), None)
 
