@@ -12,11 +12,14 @@ reads included, as a user sees it): median of REPEATS after one warm-up. transfo
 STEPS + 1 new tokens - generate with 1 new token) / STEPS, so its prefill is not counted either.
 The weight-bandwidth bound: copy_bandwidth / GPT.weight_bytes_per_token() (every weight read once per
 step, KV-cache reads left out); fraction = achieved steps/s / bound. Also: the in-kernel timeline of one
-step (where a step's time goes, per kind of stage: waiting for inputs vs working) and a few knobs.
+step (where a step's time goes, per kind of stage: waiting for inputs vs working), a few knobs, what one hop
+between blocks costs (hops.cu), and the floor: the same decoders on a model whose every layer is layer 0, so
+the layer weights stay in L2 and only the chain of hops and dependent loads is left (tied_layers).
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -163,11 +166,101 @@ def timeline_rows(model) -> list[Row]:
     return rows
 
 
+HOPS = Path(__file__).resolve().parent / "hops.cu"
+
+
+def hop_costs(rounds: int = 2000, repeats: int = 5, timeout_s: float = 2.0) -> dict:
+    """Nanoseconds (median of `repeats` launches, each timing `rounds` repetitions inside the kernel) of:
+    "hop": one block to one other through a counter (release add, acquire poll; block 0 and the last block of
+    a grid of one block per SM); "all": a grid-wide barrier of one block per SM (every block to every block);
+    "l2": one L2 round trip (a chain of dependent loads through a 1 MB table that stays in L2)."""
+    import cupy as cp
+    from common import device_info, get_kernel
+    sms = device_info()["multiprocessors"]
+    err, out = cp.zeros(4, cp.int32), cp.zeros(max(sms, 2), cp.uint64)
+
+    def timed(name, grid, args, per):
+        fn, vals = get_kernel(HOPS, name), []
+        for r in range(repeats + 1):                     # the first launch compiles and warms: not kept
+            fn((grid,), (128,), args())
+            cp.cuda.runtime.deviceSynchronize()
+            e = err.get()
+            if e[0]:
+                raise RuntimeError(f"hops.cu {name}: block {e[1]} waited more than {timeout_s:g} s in round {e[2]}: "
+                                   f"were all {grid} blocks resident (another kernel running concurrently?)")
+            if r:
+                vals.append(per(out.get()))
+        return float(np.median(vals))
+
+    timeout_ns = np.int64(timeout_s * 1e9)
+    res = {"hop": timed("hop_pingpong", sms, lambda: (cp.zeros(64, cp.uint32), np.int32(rounds), timeout_ns, err, out),
+                        lambda o: o[0] / (2 * rounds)),
+           "all": timed("hop_all", sms, lambda: (cp.zeros(1, cp.uint32), np.int32(rounds), timeout_ns, err, out),
+                        lambda o: np.median(o[:sms]) / rounds)}
+    n = 1 << 18                                          # a random cycle through all n entries
+    perm = np.random.default_rng(0).permutation(n).astype(np.uint32)
+    nxt = np.empty(n, np.uint32)
+    nxt[perm] = np.roll(perm, -1)
+    table = cp.asarray(nxt)
+    res["l2"] = timed("l2_chase", 1, lambda: (table, np.int32(20 * rounds), out), lambda o: o[0] / (20 * rounds))
+    return res
+
+
+def hop_rows() -> list[Row]:
+    h = hop_costs()
+    return [Row("hop: one block to another (release add, acquire poll)", "2 of the grid's blocks", h["hop"] / 1e6,
+                h["hop"], "ns"),
+            Row("hop: grid-wide barrier (every block to every block)", "1 block per SM", h["all"] / 1e6, h["all"], "ns"),
+            Row("L2 round trip (dependent loads)", "1 MB table", h["l2"] / 1e6, h["l2"], "ns")]
+
+
+def tied_layers(model):
+    """A shallow copy of `model` whose every layer is layer 0 (the same arrays; each layer keeps its own KV
+    cache). Not GPT-2 any more, but the same shapes and the same kernels: its layer weights (28 MB for the
+    124M shape) stay in L2 from layer to layer and step to step, so its decode time is the decoder's time when
+    only the LM head streams from DRAM: the floor its chain of hops and dependent loads sets."""
+    import copy
+    tied = copy.copy(model)
+    tied.__dict__.pop("_kept_decoder", None)
+    tied.h = [model.h[0]] * model.config.n_layer
+    return tied
+
+
+def floor_rows(model, batch: int = 1, ctx: int = 32) -> list[Row]:
+    """The best rung (v2, all steps in one launch) and the graph decode on the model and on tied_layers(model),
+    measured in turn, twice (median of the two): how much of a step is streaming the layer weights, and how
+    much is the chain that is left when they cost nothing."""
+    bw, bytes_tok = copy_bandwidth(), model.weight_bytes_per_token()
+    ctx = prompt_len(model.config, ctx)
+    ids = random_ids(model.config, batch, ctx)
+    tied = tied_layers(model)
+    runs = {}
+    for _ in range(2):
+        for which, m in (("GPT-2", model), ("every layer = layer 0", tied)):
+            for label, mode, opts in (("CUDA graph", "graph", {}), ("megakernel", "megakernel",
+                                                                   {"version": 2, "steps_per_launch": STEPS})):
+                runs.setdefault((which, label), []).append(decode_s(decoder(m, mode, batch, ctx, **opts), ids) / STEPS)
+    s = {k: float(np.median(v)) for k, v in runs.items()}
+    size = f"124M, b={batch}, ctx {ctx}"
+    rows = []
+    for which in ("GPT-2", "every layer = layer 0"):
+        for label in ("CUDA graph", "megakernel"):
+            t = s[(which, label)]
+            r = Row(f"floor: {label}, {which}", size, t * 1e3, batch / t, "tok/s", "weight-bw bound (GPT-2)",
+                    bytes_tok / t / (bw * 1e9))
+            if label == "megakernel":
+                r.anchor, r.ratio = "CUDA graph on GPT-2", s[("GPT-2", "CUDA graph")] / t
+            rows.append(r)
+    return rows
+
+
 def run() -> list[Row]:
     model, hf, _ = setup()
     rows, _ = ladder(model, hf)
     rows += knob_rows(model)
     rows += timeline_rows(model)
+    rows += hop_rows()
+    rows += floor_rows(model)
     return rows
 
 

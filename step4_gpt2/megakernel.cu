@@ -136,23 +136,7 @@ enum { ST_QKV, ST_ATT, ST_PROJ, ST_MLP, ST_LM };
 enum { EPI_QKV, EPI_RESID, EPI_GELU, EPI_LOGITS };
 
 // ------------------------------------------------------------------------------------------ small helpers
-__device__ __forceinline__ unsigned long long globaltimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 __device__ __forceinline__ int ld_volatile(const int* p) { return *(const volatile int*)p; }
-// Release: this thread's earlier writes, and those of the threads it has met at a barrier (bar.sync,
-// bar.warp.sync), are visible to whoever acquires the counter after this add. Lighter than __threadfence()
-// (fence.sc) + atomicAdd.
-__device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }

@@ -191,13 +191,17 @@ class MegakernelDecoder(Decoder):
         self.sync = cp.zeros(SYNC_FIXED + H + B * H, cp.uint32)
         self.amax = cp.zeros(B, cp.uint64)
         self.err = cp.zeros(8, cp.int32)
-        ptrs = []
+        ptrs, mproj_t = [], {}
         for i, blk in enumerate(model.h):
             # the MLP's down projection is split over its inputs: each block reads whole rows of c_proj^T
-            # (4C x C, as the checkpoint stores it), so the decoder keeps that copy (4C x C floats per layer)
+            # (4C x C, as the checkpoint stores it), so the decoder keeps that copy (4C x C floats per layer;
+            # one per matrix: layers that share their weights share it too)
+            key = blk.mlp_proj.data.ptr
+            if key not in mproj_t:
+                mproj_t[key] = cp.ascontiguousarray(blk.mlp_proj.T)
             ptrs += [blk.ln_1[0], blk.ln_1[1], blk.c_attn, blk.c_attn_b, blk.c_proj, blk.c_proj_b, blk.ln_2[0],
-                     blk.ln_2[1], blk.c_fc, blk.c_fc_b, cp.ascontiguousarray(blk.mlp_proj.T), blk.mlp_proj_b,
-                     self.state.cache.k[i], self.state.cache.v[i]]
+                     blk.ln_2[1], blk.c_fc, blk.c_fc_b, mproj_t[key], blk.mlp_proj_b, self.state.cache.k[i],
+                     self.state.cache.v[i]]
         if len(ptrs) != cfg.n_layer * LW_COUNT:
             raise RuntimeError("megakernel: the layer pointer table does not match megakernel.cu's LW_COUNT")
         self.ptrs = cp.asarray(np.array([a.data.ptr for a in ptrs], np.uint64))

@@ -110,10 +110,10 @@ _refs = {}
 
 
 def _ref_last_logits(cfg, params, seq):
-    key = (cfg.n_layer, cfg.n_embd, tuple(seq))
+    key = (id(params), tuple(seq))             # the params stay referenced below, so their id is not reused
     if key not in _refs:
-        _refs[key] = ref.forward(params, np.array([seq]), cfg.n_layer, cfg.n_head, cfg.eps)[0, -1]
-    return _refs[key]
+        _refs[key] = (params, ref.forward(params, np.array([seq]), cfg.n_layer, cfg.n_head, cfg.eps)[0, -1])
+    return _refs[key][1]
 
 
 @gpu
@@ -153,9 +153,12 @@ def test_attention_chunks_merge_either_way(cp, cfg, batch, prompt, length, proj_
     assert dec.nch > 1 and (batch * dec.nch <= M.MERGE_MAX) == proj_merges, dec.nch
 
 
-def _check_steps(cp, cfg, version, prompts, length):
+def _check_steps(cp, cfg, version, prompts, length, model=None, params=None):
+    """Three teacher-forced steps of a decoder for `model` (default: _model(cfg)) against the float64 GPT-2
+    with `params` (default: the model's)."""
     from common import poison
-    model, params, _ = _model(cfg)
+    if model is None:
+        model, params, _ = _model(cfg)
     batch = len(prompts)
     dec = M.MegakernelDecoder(model, batch, length, version=version)
     dec.prefill(pad_prompts(prompts), [len(p) for p in prompts])
@@ -229,6 +232,33 @@ def test_greedy_200_tokens_identical(cp, cfg, batch, version, steps_per_launch):
         hf = _hf_greedy(cfg, d, prompts[b], 200)
         if hf is not None:
             assert got.tokens[b] == hf, f"row {b}: differs from transformers"
+
+
+@gpu
+def test_tied_layers_share_weights_in_the_kernel_and_match_the_reference(cp):
+    """The benchmark's floor model (every layer = layer 0): one copy of each weight in the decoder's pointer
+    table (c_proj^T included), a KV cache per layer, and logits within 1e-4 of the float64 GPT-2 whose
+    layers all hold layer 0's parameters."""
+    from step4_gpt2 import benchmarks_megakernel as BM
+    model, params, _ = _model(SMALL4)
+    tied = BM.tied_layers(model)
+    assert model.h[1] is not model.h[0] and all(b is tied.h[0] for b in tied.h)
+    dec = _check_steps(cp, SMALL4, 2, _prompts(SMALL4, 2), max(LENS[:2]) + 4, model=tied,
+                       params={k: params["h.0." + k.split(".", 2)[2]] if k.startswith("h.") else v
+                               for k, v in params.items()})
+    table = dec.ptrs.get().reshape(SMALL4.n_layer, M.LW_COUNT)
+    assert (table[:, :12] == table[0, :12]).all()                    # weights: layer 0's, c_proj^T copied once
+    assert len(set(table[:, 12])) == len(set(table[:, 13])) == SMALL4.n_layer       # caches: one per layer
+
+
+@gpu
+def test_hop_costs_are_measured_and_ordered(cp):
+    """hops.cu: positive, finite and in the order their chains imply (a hop is at least one L2 round trip)."""
+    from step4_gpt2 import benchmarks_megakernel as BM
+    h = BM.hop_costs(rounds=200, repeats=2)
+    assert set(h) == {"hop", "all", "l2"}
+    assert all(np.isfinite(v) and 0 < v < 1e5 for v in h.values()), h      # ns: under 100 us
+    assert h["l2"] < h["hop"] and h["l2"] < h["all"], h
 
 
 @gpu

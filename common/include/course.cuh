@@ -56,3 +56,23 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     const float k = 0.7978845608028654f;   // sqrt(2/pi)
     return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
+
+// ---- signalling between blocks (the decode megakernel, and hops.cu, which measures what one costs)
+// Nanoseconds since some epoch, the same clock on every SM (stamps from different blocks compare).
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// Acquire: this thread's later loads see everything the releasing side wrote before its release.
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// Release: this thread's earlier writes, and those of the threads it has met at a barrier (bar.sync,
+// bar.warp.sync), are visible to whoever acquires the counter after this add. Lighter than __threadfence()
+// (fence.sc) + atomicAdd.
+__device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
