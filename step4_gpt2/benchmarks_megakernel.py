@@ -13,8 +13,9 @@ STEPS + 1 new tokens - generate with 1 new token) / STEPS, so its prefill is not
 The weight-bandwidth bound: copy_bandwidth / GPT.weight_bytes_per_token() (every weight read once per
 step, KV-cache reads left out); fraction = achieved steps/s / bound. Also: the in-kernel timeline of one
 step (where a step's time goes, per kind of stage: waiting for inputs vs working), a few knobs, what one hop
-between blocks costs (hops.cu), and the floor: the same decoders on a model whose every layer is layer 0, so
-the layer weights stay in L2 and only the chain of hops and dependent loads is left (tied_layers).
+between blocks costs (hops.cu), and the floor: the same decoders on a model whose every layer is layer 0, the
+megakernel also with those weights kept in L2, so what is left is the LM head's streaming and the chain of hops
+and dependent loads (tied_layers, floor_rows).
 """
 from __future__ import annotations
 
@@ -166,43 +167,54 @@ def timeline_rows(model) -> list[Row]:
     return rows
 
 
-HOPS = Path(__file__).resolve().parent / "hops.cu"
+HERE = Path(__file__).resolve().parent
+HOPS = HERE / "hops.cu"
 
 
 def hop_costs(rounds: int = 2000, repeats: int = 5, timeout_s: float = 2.0) -> dict:
     """Nanoseconds (median of `repeats` launches, each timing `rounds` repetitions inside the kernel) of:
     "hop": one block to one other through a counter (release add, acquire poll; block 0 and the last block of
-    a grid of one block per SM); "all": a grid-wide barrier of one block per SM (every block to every block);
-    "l2": one L2 round trip (a chain of dependent loads through a 1 MB table that stays in L2)."""
+    a grid of one block per SM, on the two SMs "hop_sms"); "all": a grid-wide barrier of one block per SM (every
+    block to every block); "l2": one L2 round trip (a chain of dependent loads through a 1 MB table that stays
+    in L2)."""
     import cupy as cp
     from common import device_info, get_kernel
     sms = device_info()["multiprocessors"]
-    err, out = cp.zeros(4, cp.int32), cp.zeros(max(sms, 2), cp.uint64)
+    err, out = cp.zeros(4, cp.int32), cp.zeros(max(sms, 3), cp.uint64)
+    seen = {}
 
-    def timed(name, grid, args, per):
-        fn, vals = get_kernel(HOPS, name), []
+    def timed(fn, name, grid, args, per):
+        vals = []
         for r in range(repeats + 1):                     # the first launch compiles and warms: not kept
+            out.fill(0)
+            cp.cuda.runtime.deviceSynchronize()          # nothing else running: every block must be resident
             fn((grid,), (128,), args())
             cp.cuda.runtime.deviceSynchronize()
             e = err.get()
             if e[0]:
                 raise RuntimeError(f"hops.cu {name}: block {e[1]} waited more than {timeout_s:g} s in round {e[2]}: "
                                    f"were all {grid} blocks resident (another kernel running concurrently?)")
+            o = out.get()
+            seen[name] = o
             if r:
-                vals.append(per(out.get()))
+                vals.append(per(o))
         return float(np.median(vals))
 
     timeout_ns = np.int64(timeout_s * 1e9)
-    res = {"hop": timed("hop_pingpong", sms, lambda: (cp.zeros(64, cp.uint32), np.int32(rounds), timeout_ns, err, out),
+    res = {"hop": timed(get_kernel(HOPS, "hop_pingpong"), "hop_pingpong", sms,
+                        lambda: (cp.zeros(64, cp.uint32), np.int32(rounds), timeout_ns, err, out),
                         lambda o: o[0] / (2 * rounds)),
-           "all": timed("hop_all", sms, lambda: (cp.zeros(1, cp.uint32), np.int32(rounds), timeout_ns, err, out),
+           "all": timed(get_kernel(HOPS, "hop_all"), "hop_all", sms,
+                        lambda: (cp.zeros(1, cp.uint32), np.int32(rounds), timeout_ns, err, out),
                         lambda o: np.median(o[:sms]) / rounds)}
+    res["hop_sms"] = (int(seen["hop_pingpong"][1]), int(seen["hop_pingpong"][2]))
     n = 1 << 18                                          # a random cycle through all n entries
     perm = np.random.default_rng(0).permutation(n).astype(np.uint32)
     nxt = np.empty(n, np.uint32)
     nxt[perm] = np.roll(perm, -1)
     table = cp.asarray(nxt)
-    res["l2"] = timed("l2_chase", 1, lambda: (table, np.int32(20 * rounds), out), lambda o: o[0] / (20 * rounds))
+    res["l2"] = timed(get_kernel(HOPS, "l2_chase"), "l2_chase", 1, lambda: (table, np.int32(20 * rounds), out),
+                      lambda o: o[0] / (20 * rounds))
     return res
 
 
@@ -216,9 +228,10 @@ def hop_rows() -> list[Row]:
 
 def tied_layers(model):
     """A shallow copy of `model` whose every layer is layer 0 (the same arrays; each layer keeps its own KV
-    cache). Not GPT-2 any more, but the same shapes and the same kernels: its layer weights (28 MB for the
-    124M shape) stay in L2 from layer to layer and step to step, so its decode time is the decoder's time when
-    only the LM head streams from DRAM: the floor its chain of hops and dependent loads sets."""
+    cache). Not GPT-2 any more, but the same shapes and the same kernels, with one layer's weights (28 MB for
+    the 124M shape) read twelve times per step. L2 keeps only part of them between layers while the weights
+    stream evict-first; a megakernel built with keep_layers_in_l2 loads them evict-last, so L2 keeps them all
+    where they fit (tied_fits_l2) and only the LM head streams from DRAM."""
     import copy
     tied = copy.copy(model)
     tied.__dict__.pop("_kept_decoder", None)
@@ -226,31 +239,52 @@ def tied_layers(model):
     return tied
 
 
+def tied_fits_l2(model) -> bool:
+    """Whether one layer's weights fit in this GPU's L2 with room to spare (1.5x), as the floor assumes."""
+    from common import device_info
+    C = model.config.n_embd
+    return 1.5 * 4 * 12 * C * C <= device_info()["l2_bytes"]
+
+
+FLOOR = [("CUDA graph, GPT-2", False, "graph", {}),
+         ("megakernel, GPT-2", False, "megakernel", {}),
+         ("CUDA graph, every layer = layer 0", True, "graph", {}),
+         ("megakernel, every layer = layer 0", True, "megakernel", {}),
+         ("megakernel, every layer = layer 0, kept in L2", True, "megakernel", {"keep_layers_in_l2": True})]
+
+
 def floor_rows(model, batch: int = 1, ctx: int = 32) -> list[Row]:
-    """The best rung (v2, all steps in one launch) and the graph decode on the model and on tied_layers(model),
-    measured in turn, twice (median of the two): how much of a step is streaming the layer weights, and how
-    much is the chain that is left when they cost nothing."""
+    """The best rung (v2, all steps in one launch) and the graph decode on the model and on tied_layers(model)
+    (the megakernel also with its layer weights kept in L2: the floor where only the LM head streams), each
+    measured in turn, twice (median of the two). Every row's fraction is of the model's weight-bandwidth bound
+    and the megakernel rows' ratio is to the model's graph decode, the tied rows' too (they read less from
+    DRAM: their fraction is of nothing they stream). Meaningful where tied_fits_l2(model); the kept row needs
+    sm_80 or newer (left out before)."""
+    from common import device_info
     bw, bytes_tok = copy_bandwidth(), model.weight_bytes_per_token()
     ctx = prompt_len(model.config, ctx)
     ids = random_ids(model.config, batch, ctx)
     tied = tied_layers(model)
+    cases = [c for c in FLOOR if device_info()["sm"] >= 80 or "keep_layers_in_l2" not in c[3]]
     runs = {}
     for _ in range(2):
-        for which, m in (("GPT-2", model), ("every layer = layer 0", tied)):
-            for label, mode, opts in (("CUDA graph", "graph", {}), ("megakernel", "megakernel",
-                                                                   {"version": 2, "steps_per_launch": STEPS})):
-                runs.setdefault((which, label), []).append(decode_s(decoder(m, mode, batch, ctx, **opts), ids) / STEPS)
-    s = {k: float(np.median(v)) for k, v in runs.items()}
+        for label, is_tied, mode, opts in cases:
+            extra = {"version": 2, "steps_per_launch": STEPS} if mode == "megakernel" else {}
+            dec = decoder(tied if is_tied else model, mode, batch, ctx, **extra, **opts)
+            runs.setdefault(label, []).append(decode_s(dec, ids) / STEPS)
+            if opts.get("keep_layers_in_l2"):
+                dec.release_l2()
+            del dec
     size = f"124M, b={batch}, ctx {ctx}"
+    graph = float(np.median(runs["CUDA graph, GPT-2"]))
     rows = []
-    for which in ("GPT-2", "every layer = layer 0"):
-        for label in ("CUDA graph", "megakernel"):
-            t = s[(which, label)]
-            r = Row(f"floor: {label}, {which}", size, t * 1e3, batch / t, "tok/s", "weight-bw bound (GPT-2)",
-                    bytes_tok / t / (bw * 1e9))
-            if label == "megakernel":
-                r.anchor, r.ratio = "CUDA graph on GPT-2", s[("GPT-2", "CUDA graph")] / t
-            rows.append(r)
+    for label, *_ in cases:
+        t = float(np.median(runs[label]))
+        r = Row(f"floor: {label}", size, t * 1e3, batch / t, "tok/s", "weight-bw bound (GPT-2)",
+                bytes_tok / t / (bw * 1e9))
+        if label.startswith("megakernel"):
+            r.anchor, r.ratio = "CUDA graph on GPT-2", graph / t
+        rows.append(r)
     return rows
 
 

@@ -3,21 +3,22 @@
 // The megakernel (megakernel.cu) runs a layer as four stages on every SM; between two stages the data goes
 // from the blocks that made it to the blocks that read it through L2, announced by a counter. However the
 // weights are streamed, a layer cannot be shorter than its chain of such hops and of the dependent loads
-// inside each stage. Three measurements, each a loop of `rounds` repetitions timed with %globaltimer inside
-// one launch (no launch cost in them):
+// inside each stage. Three measurements (not versions: each times a different thing), each a loop of
+// `rounds` repetitions timed with %globaltimer inside one launch (no launch cost in them):
 //
-//   v1 hop_pingpong  two blocks on different SMs hand a counter back and forth (red.release, then the other
-//                    polls with ld.acquire): the latency of one hop from one block to one other, the
-//                    attention's wait for its head's q/k/v rows.
-//   v2 hop_all       every block adds one to a counter and waits until all have (a grid-wide barrier): one
-//                    hop from every block to every block, v1's barrier and v2's waits for the attention
-//                    projection and the MLP (whose consumers need every block's rows).
-//   v3 l2_chase      one thread follows a chain of dependent loads through a table that stays in L2 (__ldcg):
-//                    one L2 round trip, the step every hop and every dependent load in a stage is made of.
+//   (a) hop_pingpong  two blocks on different SMs hand a counter back and forth (red.release, then the other
+//                     polls with ld.acquire): the latency of one hop from one block to one other, the
+//                     attention's wait for its head's q/k/v rows.
+//   (b) hop_all       every block adds one to a counter and waits until all have (a grid-wide barrier): one
+//                     hop from every block to every block, the megakernel v1's barrier and v2's waits for the
+//                     attention projection and the MLP (whose consumers need every block's rows).
+//   (c) l2_chase      one thread follows a chain of dependent loads through a table that stays in L2
+//                     (__ldcg): one L2 round trip, the step every hop and every dependent load is made of.
 //
 // Nothing hangs: every poll is bounded by timeout_ns of %globaltimer; a block that times out writes 1 and
 // where it was to err[] and leaves (the host raises). Every block must be resident: the host launches one
-// small block per SM, two blocks for the ping-pong.
+// small block per SM. The ping-pong runs on block 0 and the last block (the others leave at once), and
+// reports both blocks' SMs so the host can check that the hop crossed between two.
 #include "course.cuh"
 
 // Poll until *ctr >= target; false (and err[] set) after timeout_ns or once another block reported.
@@ -35,16 +36,25 @@ __device__ bool spin_until(const unsigned* ctr, unsigned target, long long timeo
     }
 }
 
-// v1: block 0 and the last block (another SM) take turns; out[0] = ns for `rounds` round trips (2 hops each).
+__device__ __forceinline__ unsigned smid() {
+    unsigned s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    return s;
+}
+
+// (a): block 0 and the last block take turns. Round 0 is a handshake (the other block may start later); then
+// out[0] = ns for the next `rounds` round trips (2 hops each), out[1], out[2] = the two blocks' SMs.
 extern "C" __global__ void hop_pingpong(unsigned* ctr, int rounds, long long timeout_ns, int* err,
                                         unsigned long long* out) {
     const bool ping = blockIdx.x == 0, pong = blockIdx.x == gridDim.x - 1;
     if (threadIdx.x != 0 || !(ping || pong) || gridDim.x < 2) return;
     unsigned* to_pong = ctr;
     unsigned* to_ping = ctr + 32;                  // another 128-byte line: the two sides do not share one
-    const unsigned long long t0 = globaltimer();
-    for (int i = 0; i < rounds; ++i) {
+    out[ping ? 1 : 2] = smid();
+    unsigned long long t0 = 0;
+    for (int i = 0; i <= rounds; ++i) {
         if (ping) {
+            if (i == 1) t0 = globaltimer();
             red_release(to_pong, 1u);
             if (!spin_until(to_ping, i + 1, timeout_ns, err, i)) return;
         } else {
@@ -55,7 +65,7 @@ extern "C" __global__ void hop_pingpong(unsigned* ctr, int rounds, long long tim
     if (ping) out[0] = globaltimer() - t0;
 }
 
-// v2: `rounds` grid-wide barriers, each a block barrier, one release add per block and a poll for all of them;
+// (b): `rounds` grid-wide barriers, each a block barrier, one release add per block and a poll for all of them;
 // out[block] = ns for all the rounds, as this block saw them.
 extern "C" __global__ void hop_all(unsigned* ctr, int rounds, long long timeout_ns, int* err,
                                    unsigned long long* out) {
@@ -73,7 +83,7 @@ extern "C" __global__ void hop_all(unsigned* ctr, int rounds, long long timeout_
     if (threadIdx.x == 0) out[blockIdx.x] = globaltimer() - t0;
 }
 
-// v3: j = next[j], `rounds` times; out[0] = ns, out[1] = the last j (so the chain is not optimised away).
+// (c): j = next[j], `rounds` times; out[0] = ns, out[1] = the last j (so the chain is not optimised away).
 extern "C" __global__ void l2_chase(const unsigned* next, int rounds, unsigned long long* out) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     unsigned j = 0;

@@ -51,7 +51,10 @@
 // MK_ROWS, MK_UNROLL, MK_VERSION (1|2), MK_PF_WAVES (waves of weight rows prefetched ahead, v2),
 // ATT_MAXCL (most positions per attention unit), MK_ATT_PF_MAX (bytes of KV cache v2 prefetches),
 // MK_MERGE_MAX (most NB x chunks the projection merges itself), MK_HCAP (most h rows a block keeps in shared
-// memory at once), MK_EPS (LayerNorm epsilon), MK_TIMELINE.
+// memory at once), MK_EPS (LayerNorm epsilon), MK_TIMELINE, MK_KEEP_WEIGHTS (a measurement, sm_80+: L2 is asked
+// to keep the layers' weights (evict-last), so it keeps what fits of them; with every layer = layer 0 that is
+// all of them, and the step is what is left when the layer weights cost no DRAM traffic; l2_evict_normal
+// undoes it).
 #include "course.cuh"
 
 #ifndef NB
@@ -102,6 +105,9 @@
 #ifndef MK_TIMELINE
 #define MK_TIMELINE 0
 #endif
+#ifndef MK_KEEP_WEIGHTS
+#define MK_KEEP_WEIGHTS 0
+#endif
 
 #define HD (C / NH)
 #define NWARPS (MK_THREADS / 32)
@@ -114,6 +120,9 @@ static_assert(C % 4 == 0, "C must be a multiple of 4 (float4 loads)");
 static_assert(HD % R == 0, "a row group of QKV must not straddle q/k/v or two heads");
 static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024 && NWARPS >= NB, "MK_THREADS: a warp per batch row");
 static_assert(MK_VERSION == 1 || MK_VERSION == 2, "MK_VERSION must be 1 or 2");
+#if MK_KEEP_WEIGHTS && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "MK_KEEP_WEIGHTS needs sm_80 or newer (L2 eviction-priority hints)"
+#endif
 static_assert(ATT_MAXCL % 32 == 0, "ATT_MAXCL must be a multiple of 32");
 static_assert(MK_MERGE_MAX >= 1, "MK_MERGE_MAX: at least 1");
 static_assert(MK_HCAP % R == 0 && MK_HCAP % 4 == 0, "MK_HCAP: a multiple of MK_ROWS and of 4 (float4 after it)");
@@ -137,7 +146,15 @@ enum { EPI_QKV, EPI_RESID, EPI_GELU, EPI_LOGITS };
 
 // ------------------------------------------------------------------------------------------ small helpers
 __device__ __forceinline__ int ld_volatile(const int* p) { return *(const volatile int*)p; }
+// KEEP (with MK_KEEP_WEIGHTS, a layer's weights): ask L2 to keep the line (evict-last).
+template <bool KEEP = false>
 __device__ __forceinline__ void prefetch_l2(const void* p) {
+#if MK_KEEP_WEIGHTS
+    if (KEEP) {
+        asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(p));
+        return;
+    }
+#endif
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
@@ -200,6 +217,26 @@ __device__ __forceinline__ void stamp(const Ctl& ctl, int idx, int which) {
 #endif
 }
 
+// ------------------------------------------------------------------------------------------ weight loads
+// Every weight is read once per step: streamed, evict-first in L2 (ld.global.cs). With MK_KEEP_WEIGHTS the
+// layers' weights (KEEP) are asked for evict-last by the L2 prefetches (prefetch_l2) and loaded with the normal
+// priority (ld.global.cg); the LM head always streams. (An evict-last policy on the loads themselves costs
+// registers that the batch-1 build does not have.)
+template <bool KEEP>
+__device__ __forceinline__ float4 ld_weight(const float4* p) {
+    return MK_KEEP_WEIGHTS && KEEP ? __ldcg(p) : __ldcs(p);
+}
+
+// Back to evict-normal: the lines of n floats at p that MK_KEEP_WEIGHTS kept (one thread per 128-byte line).
+extern "C" __global__ void l2_evict_normal(const float* p, long long n) {
+    const long long lines = (n * 4 + 127) / 128;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < lines; i += (long long)gridDim.x * blockDim.x) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile("applypriority.global.L2::evict_normal [%0], 128;" :: "l"(p + i * 32) : "memory");
+#endif
+    }
+}
+
 // ------------------------------------------------------------------------------------------ GEMV tiles
 // A stage's matrix W is (N, K), row-major, rows = outputs. Row groups of R rows; block b owns the
 // contiguous groups [RG*b/G, RG*(b+1)/G). A warp takes one (row group, segment) item per wave.
@@ -241,7 +278,7 @@ __device__ __forceinline__ void gemv_load(float4 (&w)[R][U], const float* __rest
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int k = seg * G::SEG + lane + 32 * u;
-            w[r][u] = (act && (G::FULL || k < G::K4)) ? __ldcs(row + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            w[r][u] = (act && (G::FULL || k < G::K4)) ? ld_weight<EPI != EPI_LOGITS>(row + k) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
 }
@@ -254,7 +291,7 @@ __device__ __noinline__ void prefetch_rows(const float* W, int v0, int v1) {
     v1 = v1 < N ? v1 : N;
     for (int i = threadIdx.x; i < (v1 - v0) * LPR; i += MK_THREADS) {
         const int v = v0 + i / LPR;
-        prefetch_l2(W + (long long)row_of<EPI>(v) * K + (i % LPR) * 32);
+        prefetch_l2<EPI != EPI_LOGITS>(W + (long long)row_of<EPI>(v) * K + (i % LPR) * 32);
     }
 }
 
@@ -516,7 +553,7 @@ __device__ __forceinline__ void mlp_column(float4 (&s)[NB], const float* hs, con
 #pragma unroll
         for (int i = 0; i < DU; ++i) {
             const int rr = r + i * KG;
-            wv[i] = rr < r1 ? __ldcs(W4 + (long long)rr * C4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            wv[i] = rr < r1 ? ld_weight<true>(W4 + (long long)rr * C4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int i = 0; i < DU; ++i) {

@@ -17,6 +17,8 @@ greedy)` answers mode="auto". Options:
   timeout_s        the longest any block may wait for another inside the kernel before it reports an error
   timeline         compile in %globaltimer stamps (start, inputs ready, end) per stage and block
   max_blocks       cap the grid (the compute-sanitizer tests run a handful of blocks)
+  keep_layers_in_l2  a measurement (sm_80+): load the layers' weights evict-last, so L2 keeps what fits of them
+                   (benchmarks_megakernel.floor_rows, on a model whose every layer is layer 0); release_l2() after
 Sampling (choose given) works one launch per token: the kernel's argmax is replaced by the sampled token.
 
 Nothing hangs: the grid is sized so every block is resident at once (the driver's occupancy calculator);
@@ -84,7 +86,7 @@ def rows(config, batch: int, sm: int | None = None, threads: int = THREADS, unro
 
 
 def defines(config, batch: int, version: int = 2, timeline: bool = False, threads: int = THREADS,
-            unroll: int = UNROLL, sm: int | None = None) -> dict:
+            unroll: int = UNROLL, sm: int | None = None, keep_layers_in_l2: bool = False) -> dict:
     """The compile-time constants of megakernel.cu for a model config and batch, on a GPU of compute
     capability `sm` (None: the portable choices)."""
     return {"NB": int(batch), "C": config.n_embd, "NH": config.n_head, "NL": config.n_layer,
@@ -93,6 +95,7 @@ def defines(config, batch: int, version: int = 2, timeline: bool = False, thread
             "MK_VERSION": version, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL, "MK_MERGE_MAX": MERGE_MAX,
             "MK_HCAP": HCAP,
             "MK_EPS": f"{float(config.eps)!r}f", "MK_TIMELINE": int(bool(timeline)),
+            "MK_KEEP_WEIGHTS": int(bool(keep_layers_in_l2)),
             "MK_LW_COUNT": LW_COUNT, "MK_SYNC_FIXED": SYNC_FIXED}     # checked against the .cu's own (static_assert)
 
 
@@ -120,12 +123,12 @@ def smem_bytes(config, batch: int, threads: int = THREADS, sm: int | None = None
 
 
 def _fit(config, batch: int, version: int = 2, timeline: bool = False, threads: int = THREADS,
-         unroll: int = UNROLL) -> tuple:
+         unroll: int = UNROLL, keep_layers_in_l2: bool = False) -> tuple:
     """(kernel, dynamic shared memory per block, resident blocks per SM >= 1) of the megakernel for this config
     and batch on this GPU; MegakernelUnavailable where its shared memory is past the GPU's opt-in limit or not
     one block fits on an SM (every block must be resident at once). The constructor and mode="auto" ask this."""
     sm = device_info()["sm"]
-    fn = get_kernel(SOURCE, KERNEL, defines(config, batch, version, timeline, threads, unroll, sm))
+    fn = get_kernel(SOURCE, KERNEL, defines(config, batch, version, timeline, threads, unroll, sm, keep_layers_in_l2))
     smem = smem_bytes(config, batch, threads, sm, unroll)
     try:
         allow_dynamic_smem(fn, smem, f"batch={batch}: the megakernel's stage inputs")
@@ -151,7 +154,7 @@ class MegakernelDecoder(Decoder):
     def __init__(self, model, batch: int, length: int, greedy: bool = True, version: int = 2,
                  steps_per_launch: int = 1, blocks_per_sm: int = 1, threads: int = THREADS, unroll: int = UNROLL,
                  timeout_s: float = TIMEOUT_S, timeline: bool = False, max_blocks: int | None = None,
-                 pipeline_depth: int = PIPELINE_DEPTH):
+                 pipeline_depth: int = PIPELINE_DEPTH, keep_layers_in_l2: bool = False):
         require_gpu()
         import cupy as cp
         cfg = model.config
@@ -174,10 +177,14 @@ class MegakernelDecoder(Decoder):
         if not greedy and steps_per_launch != 1:
             raise ValueError("steps_per_launch: sampling (greedy=False) chooses each token on the host, "
                              "so it needs steps_per_launch=1")
-        self.version, self.steps_per_launch, self.threads = version, int(steps_per_launch), threads
+        self.version, self.steps_per_launch, self.threads, self.unroll = version, int(steps_per_launch), threads, unroll
         self.timeout_ns, self.timeline = int(timeout_s * 1e9), bool(timeline)
 
-        self.fn, self.smem, per_sm = _fit(cfg, batch, version, timeline, threads, unroll)
+        if keep_layers_in_l2 and device_info()["sm"] < 80:
+            raise ValueError(f"keep_layers_in_l2: needs L2 eviction-priority hints (sm_80 or newer); this GPU is "
+                             f"sm_{device_info()['sm']}")
+        self.keep_layers_in_l2 = bool(keep_layers_in_l2)
+        self.fn, self.smem, per_sm = _fit(cfg, batch, version, timeline, threads, unroll, self.keep_layers_in_l2)
         self.grid = device_info()["multiprocessors"] * min(int(blocks_per_sm), per_sm)
         if max_blocks is not None:
             self.grid = min(self.grid, int(max_blocks))
@@ -196,7 +203,7 @@ class MegakernelDecoder(Decoder):
             # the MLP's down projection is split over its inputs: each block reads whole rows of c_proj^T
             # (4C x C, as the checkpoint stores it), so the decoder keeps that copy (4C x C floats per layer;
             # one per matrix: layers that share their weights share it too)
-            key = blk.mlp_proj.data.ptr
+            key = (blk.mlp_proj.data.ptr, blk.mlp_proj.shape, blk.mlp_proj.strides)
             if key not in mproj_t:
                 mproj_t[key] = cp.ascontiguousarray(blk.mlp_proj.T)
             ptrs += [blk.ln_1[0], blk.ln_1[1], blk.c_attn, blk.c_attn_b, blk.c_proj, blk.c_proj_b, blk.ln_2[0],
@@ -261,6 +268,21 @@ class MegakernelDecoder(Decoder):
             self.fn((self.grid,), (self.threads,), args, shared_mem=self.smem)
         self.epoch += nsteps
         self.barriers += self.grid * (nsteps * stages_per_step(self.model.config.n_layer) - 1)   # v1: not the first
+
+    def release_l2(self) -> None:
+        """After a decoder built with keep_layers_in_l2: return the lines of the layers' weights to L2's normal
+        eviction priority, so that they do not crowd out what runs next."""
+        import cupy as cp
+        cfg = self.model.config
+        fn = get_kernel(SOURCE, "l2_evict_normal", defines(cfg, self.batch, self.version, self.timeline, self.threads,
+                                                           self.unroll, device_info()["sm"], True))
+        seen = set()
+        with self.stream:
+            for a in self._keep:
+                if a.data.ptr not in seen and a.dtype == cp.float32:
+                    seen.add(a.data.ptr)
+                    fn((256,), (256,), (a, np.int64(a.size)))
+        self.stream.synchronize()
 
     def check(self) -> None:
         """Raise MegakernelTimeout if a launch reported a timeout (and reset the counters for the next run)."""

@@ -108,7 +108,8 @@ def test_missing_define_names_the_line(tmp_path):
 
 
 WRAPPERS = ["step1_simple/ops.py", "step2_attention/ops.py", "step2_attention/flash.py", "step3_fused/ops.py",
-            "step3_fused/training.py", "step4_gpt2/ops.py", "step4_gpt2/train_ops.py"]
+            "step3_fused/training.py", "step4_gpt2/ops.py", "step4_gpt2/train_ops.py",
+            "step4_gpt2/benchmarks_megakernel.py"]
 
 
 @pytest.mark.parametrize("module", WRAPPERS)

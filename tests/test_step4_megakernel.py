@@ -49,6 +49,15 @@ def test_batch_1_knob_builds_compile_without_spills(arch, threads, unroll):
     _compiles_without_spills(arch, M.defines(G124, 1, 2, threads=threads, unroll=unroll, sm=arch))
 
 
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a >= 80])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_keep_layers_in_l2_build_compiles_without_spills(arch, batch):
+    """The floor measurement's build (evict-last weight loads) and its l2_evict_normal kernel."""
+    d = M.defines(G124, batch, 2, sm=arch, keep_layers_in_l2=True)
+    _compiles_without_spills(arch, d)
+    assert "l2_evict_normal" in compile_offline(M.SOURCE, arch, d).kernels
+
+
 def test_unsupported_shapes_are_named():
     assert M.unsupported_reason(G124, 1) is None and M.unsupported_reason(TINY, 8) is None
     assert "batch" in M.unsupported_reason(G124, 9) and "batch" in M.unsupported_reason(G124, 0)
@@ -153,14 +162,14 @@ def test_attention_chunks_merge_either_way(cp, cfg, batch, prompt, length, proj_
     assert dec.nch > 1 and (batch * dec.nch <= M.MERGE_MAX) == proj_merges, dec.nch
 
 
-def _check_steps(cp, cfg, version, prompts, length, model=None, params=None):
-    """Three teacher-forced steps of a decoder for `model` (default: _model(cfg)) against the float64 GPT-2
-    with `params` (default: the model's)."""
+def _check_steps(cp, cfg, version, prompts, length, model=None, params=None, **options):
+    """Three teacher-forced steps of a decoder for `model` (default: _model(cfg); options: the decoder's)
+    against the float64 GPT-2 with `params` (default: the model's)."""
     from common import poison
     if model is None:
         model, params, _ = _model(cfg)
     batch = len(prompts)
-    dec = M.MegakernelDecoder(model, batch, length, version=version)
+    dec = M.MegakernelDecoder(model, batch, length, version=version, **options)
     dec.prefill(pad_prompts(prompts), [len(p) for p in prompts])
     rng = np.random.default_rng(batch)
     seqs = [list(p) for p in prompts]
@@ -235,20 +244,28 @@ def test_greedy_200_tokens_identical(cp, cfg, batch, version, steps_per_launch):
 
 
 @gpu
-def test_tied_layers_share_weights_in_the_kernel_and_match_the_reference(cp):
+@pytest.mark.parametrize("keep", [False, True], ids=["streamed", "kept in L2"])
+def test_tied_layers_share_weights_in_the_kernel_and_match_the_reference(cp, keep):
     """The benchmark's floor model (every layer = layer 0): one copy of each weight in the decoder's pointer
     table (c_proj^T included), a KV cache per layer, and logits within 1e-4 of the float64 GPT-2 whose
-    layers all hold layer 0's parameters."""
+    layers all hold layer 0's parameters; also with the weights loaded evict-last (keep_layers_in_l2)."""
+    from common.device import device_info
     from step4_gpt2 import benchmarks_megakernel as BM
+    if keep and device_info()["sm"] < 80:
+        with pytest.raises(ValueError, match="keep_layers_in_l2: needs"):
+            M.MegakernelDecoder(_model(SMALL4)[0], 1, 16, keep_layers_in_l2=True)
+        pytest.skip(f"keep_layers_in_l2 needs sm_80+ (checked that it says so); this GPU is sm_{device_info()['sm']}")
     model, params, _ = _model(SMALL4)
     tied = BM.tied_layers(model)
     assert model.h[1] is not model.h[0] and all(b is tied.h[0] for b in tied.h)
     dec = _check_steps(cp, SMALL4, 2, _prompts(SMALL4, 2), max(LENS[:2]) + 4, model=tied,
                        params={k: params["h.0." + k.split(".", 2)[2]] if k.startswith("h.") else v
-                               for k, v in params.items()})
+                               for k, v in params.items()}, keep_layers_in_l2=keep)
     table = dec.ptrs.get().reshape(SMALL4.n_layer, M.LW_COUNT)
     assert (table[:, :12] == table[0, :12]).all()                    # weights: layer 0's, c_proj^T copied once
     assert len(set(table[:, 12])) == len(set(table[:, 13])) == SMALL4.n_layer       # caches: one per layer
+    if keep:
+        dec.release_l2()
 
 
 @gpu
@@ -256,7 +273,9 @@ def test_hop_costs_are_measured_and_ordered(cp):
     """hops.cu: positive, finite and in the order their chains imply (a hop is at least one L2 round trip)."""
     from step4_gpt2 import benchmarks_megakernel as BM
     h = BM.hop_costs(rounds=200, repeats=2)
-    assert set(h) == {"hop", "all", "l2"}
+    assert set(h) == {"hop", "all", "l2", "hop_sms"}
+    a, b = h.pop("hop_sms")
+    assert a != b, f"the ping-pong's two blocks ran on the same SM ({a})"
     assert all(np.isfinite(v) and 0 < v < 1e5 for v in h.values()), h      # ns: under 100 us
     assert h["l2"] < h["hop"] and h["l2"] < h["all"], h
 
