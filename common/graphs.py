@@ -21,6 +21,7 @@ both through the CUDA driver's graph API (libcuda through ctypes: CuPy does not 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 _libcuda = None
@@ -69,30 +70,18 @@ def _capture_state(stream_ptr: int) -> tuple[int, tuple[int, ...]] | None:
     return cid.value, tuple(deps[i] for i in range(n.value))
 
 
+@contextlib.contextmanager
 def cublas_call(stream_ptr: int, workspace: tuple[int, int]):
     """Around one cuBLAS call on `stream_ptr` with `workspace` (pointer, bytes): `with cublas_call(...): ...`.
-    Inside a capture_graph capture it notes the nodes the call adds; elsewhere it does nothing."""
-    return _CublasCall(stream_ptr, workspace)
-
-
-class _CublasCall:
-    def __init__(self, stream_ptr, workspace):
-        self.stream_ptr, self.workspace, self.before = stream_ptr, workspace, None
-
-    def __enter__(self):
-        if _recording:
-            state = _capture_state(self.stream_ptr)
-            if state is not None and state[0] in _recording:
-                self.before = state
-        return self
-
-    def __exit__(self, *exc):
-        if self.before is not None and exc[0] is None:
-            cid, before = self.before
-            state = _capture_state(self.stream_ptr)
-            if state is not None:                    # else the capture failed: end_capture will say so
-                _recording[cid].append((self.workspace, before, state[1]))
-        return False
+    Inside a capture_graph capture it notes the nodes the call adds; elsewhere (or if the call raises) nothing."""
+    before = _capture_state(stream_ptr) if _recording else None
+    if before is not None and before[0] not in _recording:
+        before = None                                # a capture that capture_graph did not start
+    yield
+    if before is not None:
+        after = _capture_state(stream_ptr)
+        if after is not None:                        # else the capture failed: end_capture will say so
+            _recording[before[0]].append((workspace, before[1], after[1]))
 
 
 def _nodes(fn: str, node) -> list[int]:
@@ -119,16 +108,19 @@ class _MemsetParams(ctypes.Structure):       # CUDA_MEMSET_NODE_PARAMS
                 ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
 
 
-def _added_nodes(before, after, limit: int = 32) -> set[int] | None:
+MAX_CALL_NODES = 32      # more nodes than one library call adds: _added_nodes gives up (the call is left alone)
+
+
+def _added_nodes(before, after) -> set[int] | None:
     """The nodes between `before` and `after` (those a call added): walked back from `after`; None if the walk
-    finds more than `limit` (not one library call's worth: left alone)."""
+    finds more than MAX_CALL_NODES."""
     stop, seen, todo = set(before), set(), [n for n in after if n not in before]
     while todo:
         node = todo.pop()
         if node in seen:
             continue
         seen.add(node)
-        if len(seen) > limit:
+        if len(seen) > MAX_CALL_NODES:
             return None
         todo.extend(d for d in _nodes("cuGraphNodeGetDependencies", node) if d not in stop)
     return seen
@@ -156,8 +148,8 @@ def hoist_cublas_memsets(graph, calls) -> int:
                     or not succs or not set(succs) <= added:
                 continue                     # only a call's first node, writing only into its workspace
             _edges("cuGraphRemoveDependencies", graph, [(a, node) for a in preds])
-            _edges("cuGraphAddDependencies", graph, [(a, s) for s in succs for a in preds
-                                                     if a not in _nodes("cuGraphNodeGetDependencies", s)])
+            succ_deps = {s: set(_nodes("cuGraphNodeGetDependencies", s)) for s in succs}
+            _edges("cuGraphAddDependencies", graph, [(a, s) for s in succs for a in preds if a not in succ_deps[s]])
             _edges("cuGraphAddDependencies", graph, [(a, node) for a in last.get(ws, ())])
             moved += 1
         last[ws] = after

@@ -181,9 +181,8 @@ def hop_costs(rounds: int = 2000, repeats: int = 5, timeout_s: float = 2.0) -> d
     from common import device_info, get_kernel
     sms = device_info()["multiprocessors"]
     err, out = cp.zeros(4, cp.int32), cp.zeros(max(sms, 3), cp.uint64)
-    seen = {}
 
-    def timed(fn, name, grid, args, per):
+    def timed(fn, name, grid, args, per):            # (median of per(out) over the repeats, the last out)
         vals = []
         for r in range(repeats + 1):                     # the first launch compiles and warms: not kept
             out.fill(0)
@@ -195,26 +194,26 @@ def hop_costs(rounds: int = 2000, repeats: int = 5, timeout_s: float = 2.0) -> d
                 raise RuntimeError(f"hops.cu {name}: block {e[1]} waited more than {timeout_s:g} s in round {e[2]}: "
                                    f"were all {grid} blocks resident (another kernel running concurrently?)")
             o = out.get()
-            seen[name] = o
             if r:
                 vals.append(per(o))
-        return float(np.median(vals))
+        return float(np.median(vals)), o
 
     timeout_ns = np.int64(timeout_s * 1e9)
-    res = {"hop": timed(get_kernel(HOPS, "hop_pingpong"), "hop_pingpong", sms,
-                        lambda: (cp.zeros(64, cp.uint32), np.int32(rounds), timeout_ns, err, out),
-                        lambda o: o[0] / (2 * rounds)),
-           "all": timed(get_kernel(HOPS, "hop_all"), "hop_all", sms,
-                        lambda: (cp.zeros(1, cp.uint32), np.int32(rounds), timeout_ns, err, out),
-                        lambda o: np.median(o[:sms]) / rounds)}
-    res["hop_sms"] = (int(seen["hop_pingpong"][1]), int(seen["hop_pingpong"][2]))
+    res = {}
+    res["hop"], o = timed(get_kernel(HOPS, "hop_pingpong"), "hop_pingpong", sms,
+                          lambda: (cp.zeros(64, cp.uint32), np.int32(rounds), timeout_ns, err, out),
+                          lambda o: o[0] / (2 * rounds))
+    res["hop_sms"] = (int(o[1]), int(o[2]))
+    res["all"], _ = timed(get_kernel(HOPS, "hop_all"), "hop_all", sms,
+                          lambda: (cp.zeros(1, cp.uint32), np.int32(rounds), timeout_ns, err, out),
+                          lambda o: np.median(o[:sms]) / rounds)
     n = 1 << 18                                          # a random cycle through all n entries
     perm = np.random.default_rng(0).permutation(n).astype(np.uint32)
     nxt = np.empty(n, np.uint32)
     nxt[perm] = np.roll(perm, -1)
     table = cp.asarray(nxt)
-    res["l2"] = timed(get_kernel(HOPS, "l2_chase"), "l2_chase", 1, lambda: (table, np.int32(20 * rounds), out),
-                      lambda o: o[0] / (20 * rounds))
+    res["l2"], _ = timed(get_kernel(HOPS, "l2_chase"), "l2_chase", 1, lambda: (table, np.int32(20 * rounds), out),
+                         lambda o: o[0] / (20 * rounds))
     return res
 
 

@@ -46,24 +46,26 @@ def random_batches(n: int, batch: int = B, seed: int = 0) -> list[tuple[np.ndarr
     return out
 
 
+def _sync(torch) -> None:
+    """Wait until the GPU has finished CuPy's work and, with `torch` (torch_cuda()'s module, or None), torch's."""
+    import cupy as cp
+    cp.cuda.Device().synchronize()
+    if torch is not None:
+        torch.cuda.synchronize()
+
+
 def _timed_loop(step, batches, warmup: int) -> tuple[float, float]:
     """Run `step` on each batch after `warmup` untimed steps, without syncing inside the loop, as a training loop
     does; (host seconds per step to queue them, seconds per step until the GPU has finished them)."""
-    import cupy as cp
     torch = torch_cuda()
-
-    def sync():
-        cp.cuda.Device().synchronize()
-        if torch is not None:
-            torch.cuda.synchronize()
     for x, y in batches[:warmup]:
         step(x, y)
-    sync()
+    _sync(torch)
     t0 = time.perf_counter()
     for x, y in batches[warmup:]:
         step(x, y)
     t_queued = time.perf_counter()
-    sync()
+    _sync(torch)
     n = len(batches) - warmup
     return (t_queued - t0) / n, (time.perf_counter() - t0) / n
 
@@ -256,7 +258,7 @@ def train_breakdown_rows() -> list[Row]:
         "bias gradients (column sums)": (lambda: [(ops.column_sum(a.dres, out=G[f"h.{i}.mlp.c_proj.bias"]), ops.column_sum(a.dres, out=G[f"h.{i}.attn.c_proj.bias"]), ops.column_sum(a.dqkv.reshape(N, 3 * C), out=G[f"h.{i}.attn.c_attn.bias"])) for i in range(L)], None),
         "embeddings forward + backward": (lambda: (ops.encoder_forward(x, P["wte.weight"], P["wpe.weight"], out=a.tmp), ops.encoder_backward(a.dres, x, G["wte.weight"], G["wpe.weight"])), None),
         "fused classifier": (lambda: ops.classifier(a.logits, y.reshape(N), losses=a.losses, grad=False), None),
-        "gradient norm + schedule + AdamW with clipping (one launch)": (lambda: trainer._update(), None),
+        "gradient norm + schedule + AdamW (clipping inside AdamW)": (lambda: trainer._update(), None),
     }
     rows.insert(0, Row("whole training step (ours, one CUDA graph)", SIZE, whole.median_ms, rate=N / (whole.median_ms * 1e-3),
                        unit="tok/s"))
@@ -286,17 +288,15 @@ def _kernel_records(step, batches, steps: int) -> list[list[dict]]:
     import json
     import os
     import tempfile
-    import cupy as cp
     torch = torch_cuda()
     from torch.profiler import ProfilerActivity, profile
     for x, y in batches[:3]:
         step(x, y)
-    cp.cuda.Device().synchronize()
+    _sync(torch)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for x, y in batches[3:4 + steps]:
             step(x, y)
-        cp.cuda.Device().synchronize()
-        torch.cuda.synchronize()
+        _sync(torch)
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:

@@ -17,8 +17,9 @@ greedy)` answers mode="auto". Options:
   timeout_s        the longest any block may wait for another inside the kernel before it reports an error
   timeline         compile in %globaltimer stamps (start, inputs ready, end) per stage and block
   max_blocks       cap the grid (the compute-sanitizer tests run a handful of blocks)
-  keep_layers_in_l2  a measurement (sm_80+): load the layers' weights evict-last, so L2 keeps what fits of them
-                   (benchmarks_megakernel.floor_rows, on a model whose every layer is layer 0); release_l2() after
+  keep_layers_in_l2  a measurement (sm_80+): ask L2 to keep the layers' weights (evict-last prefetches, loads
+                   without the streaming hint), so it keeps what fits of them (benchmarks_megakernel.floor_rows,
+                   on a model whose every layer is layer 0); release_l2() after
 Sampling (choose given) works one launch per token: the kernel's argmax is replaced by the sampled token.
 
 Nothing hangs: the grid is sized so every block is resident at once (the driver's occupancy calculator);

@@ -163,7 +163,7 @@ __global__ void gelu_backward_partial(const T* dout, const T* __restrict__ h, co
     const int c = blockIdx.x * COLS + threadIdx.x;
     const int r1 = min(rows, (int)blockIdx.y * chunk_rows + chunk_rows);
     T s{};
-    const T bc = c < cols ? bias[c] : s;
+    const T bc = c < cols ? bias[c] : T{};
     if (c < cols)
 #pragma unroll 4
         for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) {

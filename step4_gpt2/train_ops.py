@@ -157,7 +157,7 @@ def gelu_bias_forward(h, bias, out=None):
     out = out_array(out, h.shape)
     if h.size:
         t, n = _elem(h.shape[1], h, bias, out)
-        size = h.size * n // h.shape[1]
+        size = h.shape[0] * n
         _k(f"gelu_bias_forward<{t}>")(_grid(size), (BLOCK,), (h, bias, out, np.int64(size), np.int32(n)))
     return out
 
@@ -466,6 +466,6 @@ def _norm_kernel():
 
 def grad_norm(gflat):
     """The global gradient norm over the flat gradient buffer, on the GPU (no sync; a CuPy scalar). Clipping
-    itself costs no pass of its own: adamw_schedule turns the norm into torch.nn.utils.clip_grad_norm_'s factor
-    min(1, max_norm / (norm + 1e-6)), and AdamW multiplies each gradient by it as it reads it."""
+    costs no pass of its own: adamw_schedule turns the norm into the clipping factor, and AdamW multiplies each
+    gradient by it as it reads it."""
     return _norm_kernel()(expect_array(gflat, "gflat", dtype=np.float32, ndim=1))

@@ -1,5 +1,7 @@
 """Step 2b: fused attention (fp32 flash, QKV-buffer variant, tensor cores, decode) vs float64 references.
 Random inputs, NaN-poisoned outputs, awkward lengths (1, 7, 63, 64, 65, 1000, 1024), B*H odd."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,9 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from step2_attention import flash  # noqa: E402
+from tests.views import misaligned as _misaligned  # noqa: E402
+
+misaligned = functools.partial(_misaligned, elements=2)   # fp32: 8 bytes past a 16-byte boundary, fp16: 4
 
 TS = [1, 7, 63, 64, 65, 1000, 1024]
 SMALL_TS = [1, 7, 65]
@@ -32,15 +37,6 @@ def need_smem(nbytes, what):
     if not flash.smem_fits(nbytes):
         pytest.skip(f"{what} needs {nbytes:,} B of shared memory per block; this GPU allows "
                     f"{device_info()['shared_per_block_optin']:,} B")
-
-
-def misaligned(x):
-    """The same values in a view that starts 2 elements past a 16-byte boundary (fp32: 8 bytes, fp16: 4)."""
-    base = cp.empty(x.size + 2, x.dtype)
-    view = base[2:].reshape(x.shape)
-    view[...] = x
-    assert view.data.ptr % 16 != 0
-    return view
 
 
 def check_fp32(version, T, causal, D, B=1, H=3, scale=None):

@@ -11,6 +11,7 @@ from common import assert_close, max_rel_error, poison
 from common.reference import train_gpt2 as R
 from step4_gpt2.weights import GPTConfig, random_weights
 from step4_gpt2 import train as TR
+from tests.views import misaligned
 
 try:
     import torch
@@ -234,15 +235,6 @@ def cuda(a):
 
 def rnd(*shape, seed=0, scale=1.0):
     return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
-
-
-def misaligned(a):
-    """a copy of a on the GPU whose data starts 4 bytes past a 16-byte boundary: the scalar kernels' path."""
-    import cupy as cp
-    buf = cp.empty(a.size + 1, cp.float32)
-    out = buf[1:].reshape(a.shape)
-    out[...] = cp.asarray(a)
-    return out
 
 
 @gpu
