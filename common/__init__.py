@@ -10,6 +10,7 @@ from common.kernels import (load_module, get_kernel, occupancy, allow_dynamic_sm
                             KernelCompileError, ARCHS)
 from common.graphs import capture_graph, stream_priorities
 from common.check import (assert_close, errors, max_rel_error, poison, rand, expect_array, expect_choice, out_array,
+                          expect_token_ids,
                           launch_grid, float4_rows)
 from common.timing import bench, Timing, copy_bandwidth
 from common import reference
@@ -17,6 +18,6 @@ from common import reference
 __all__ = [
     "gpu_available", "device_info", "require_gpu", "require_arch", "skip_reason", "torch_cuda", "fp32_peak_tflops",
     "load_module", "get_kernel", "capture_graph", "stream_priorities", "occupancy", "allow_dynamic_smem", "compile_offline", "kernel_source", "show_source", "KernelCompileError", "ARCHS",
-    "assert_close", "errors", "max_rel_error", "poison", "rand", "expect_array", "expect_choice", "out_array", "launch_grid", "float4_rows",
+    "assert_close", "errors", "max_rel_error", "poison", "rand", "expect_array", "expect_choice", "expect_token_ids", "out_array", "launch_grid", "float4_rows",
     "bench", "Timing", "copy_bandwidth", "reference",
 ]

@@ -118,6 +118,50 @@ def expect_choice(value, name: str, allowed):
     return value
 
 
+def expect_token_ids(ids, vocab: int, name: str = "ids", *, ndim: int | None = None, dtype=None):
+    """The course's one check of token ids: integers in [0, vocab), since a bad id would read outside the
+    embedding table. A CuPy array stays on the GPU (any integer dtype, or exactly `dtype` if given; its range
+    is read back in one transfer). Anything else (a list, a NumPy array) comes back as an int64 NumPy array;
+    a non-integer element is a TypeError and an out-of-range id a ValueError, each naming its position."""
+    try:
+        import cupy as cp
+        on_gpu = isinstance(ids, cp.ndarray)
+    except Exception:                   # no CuPy: host ids only
+        on_gpu = False
+    if on_gpu:
+        ids = expect_array(ids, name, dtype=dtype, ndim=ndim, contiguous=False)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name}: token ids are integers, got dtype {ids.dtype}")
+        if ids.size:
+            lo, hi = (int(v) for v in cp.stack([ids.min().astype(cp.int64), ids.max().astype(cp.int64)]).get())
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab}) (the vocabulary size), got values in "
+                                 f"[{lo}, {hi}]")
+        return ids
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"{name}: expected a sequence of integer token ids, got {type(ids).__name__}")
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name}: token ids are integers, got dtype {ids.dtype}")
+        arr = ids.astype(np.int64)
+    else:
+        arr = np.asarray(ids, dtype=object)
+        for pos in zip(*np.nonzero(np.ones(arr.shape, dtype=bool))) if arr.ndim else [()]:
+            t = arr[pos]
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                where = "[" + ", ".join(map(str, pos)) + "]"
+                raise TypeError(f"{name}{where}: token ids are integers, got {t!r} ({type(t).__name__})")
+        arr = arr.astype(np.int64)
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D sequence of token ids, got shape {arr.shape}")
+    bad = np.argwhere((arr < 0) | (arr >= vocab))
+    if len(bad):
+        pos = tuple(int(i) for i in bad[0])
+        where = "[" + ", ".join(map(str, pos)) + "]"
+        raise ValueError(f"{name}{where}: token id {int(arr[pos])} is out of range [0, {vocab})")
+    return arr
+
+
 def launch_grid(n: int, block: int, max_blocks: int | None = None, per_sm: int | None = None) -> tuple[int]:
     """Blocks needed to cover n items with `block` threads each. Grid-stride kernels cap the grid: at
     `max_blocks`, or at `per_sm` blocks for each SM of this GPU (enough to fill it, few enough that each
