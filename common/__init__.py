@@ -14,6 +14,9 @@ from common.check import (assert_close, errors, max_rel_error, poison, rand, exp
                           launch_grid, float4_rows)
 from common.timing import bench, Timing, copy_bandwidth
 from common import reference
+from common.device import install_notebook_handler as _install_notebook_handler
+
+_install_notebook_handler()    # in a notebook: no misleading CUDA error after the course's no-GPU message
 
 __all__ = [
     "gpu_available", "device_info", "require_gpu", "require_arch", "skip_reason", "torch_cuda", "fp32_peak_tflops",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 try:
     import cupy as cp
@@ -67,13 +68,56 @@ def gpu_available() -> bool:
     return skip_reason() is None
 
 
+def no_gpu_message(reason: str) -> str:
+    """The course's one line for a machine without a usable GPU, from skip_reason()'s sentence."""
+    return (f"This needs an NVIDIA GPU with a working driver: {reason}. "
+            f"See docs/environment.md, 'No GPU or an old driver'.")
+
+
 def require_gpu() -> None:
     """Raise a RuntimeError that says what was found and what to do; every GPU entry point of the course
     calls this before its first CUDA call (cached: free after the first call)."""
     reason = skip_reason()
     if reason:
-        raise RuntimeError(f"This needs an NVIDIA GPU with a working driver: {reason}. "
-                           f"See docs/environment.md, 'No GPU or an old driver'.")
+        raise RuntimeError(no_gpu_message(reason))
+
+
+def _cuda_errors() -> tuple:
+    """CuPy's exceptions for a failed CUDA runtime or driver call: what any CuPy call raises without a driver."""
+    from cupy_backends.cuda.api.driver import CUDADriverError
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+    return CUDARuntimeError, CUDADriverError
+
+
+def notebook_cuda_error(shell, etype, value, tb, tb_offset=None):
+    """IPython's handler for CuPy's CUDA errors (registered by `import common` inside IPython): without a usable
+    GPU, the course's one line instead of CuPy's traceback, whose "CUDA driver version is insufficient" is
+    wrong when there is no driver at all; with a GPU, the usual traceback (a real error)."""
+    reason = skip_reason()
+    if reason is None:
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        return None
+    msg = no_gpu_message(reason)
+    # one line, no frames: the cell's code is not what went wrong. _showtraceback is what IPython and ipykernel
+    # (which sends it to the notebook as the cell's error) both implement for a prepared traceback.
+    shell._showtraceback(RuntimeError, RuntimeError(msg), [msg])
+    return None
+
+
+def install_notebook_handler() -> bool:
+    """Inside IPython (a notebook), show CuPy's CUDA errors through notebook_cuda_error. True when installed;
+    a shell that already has its own custom exception handler keeps it."""
+    ipython = sys.modules.get("IPython")        # only where IPython runs already: a script never imports it
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    if shell is None or cp is None:
+        return False
+    if getattr(shell, "_course_cuda_handler", False):
+        return True
+    if shell.custom_exceptions:
+        return False
+    shell.set_custom_exc(_cuda_errors(), notebook_cuda_error)
+    shell._course_cuda_handler = True
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,8 +172,20 @@ def describe() -> str:
             + (".".join(map(str, _nvrtc_version() or ())) or "not loadable"))
 
 
+def nvrtc():
+    """CuPy's own binding of NVRTC, the run-time compiler it uses on the GPU: it loads without a driver, so the
+    same compiler compiles and sizes kernels on any machine (the CUDA 12 NVRTC that `cupy-cuda12x` brings
+    targets sm_70 .. sm_90). Here, not in common.kernels, because skip_reason asks its version and
+    common.kernels asks this module for require_gpu: one direction of import only."""
+    from cupy_backends.cuda.libs import nvrtc as binding
+    return binding
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(nvrtc().getVersion())
+
+
 def _nvrtc_version() -> tuple[int, int] | None:
-    from common.kernels import nvrtc_version      # kernels imports this module lazily: no cycle
     try:
         return nvrtc_version()
     except Exception:

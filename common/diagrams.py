@@ -5,7 +5,8 @@ Each function returns a matplotlib `Figure`; in a notebook, make it the last exp
     from common import diagrams
     diagrams.coalescing(stride=8)
 
-`python -m common.diagrams [folder]` saves every diagram as a PNG (default folder: `diagrams/`).
+`python -m common.diagrams [folder]` saves every diagram as a PNG (default folder: `diagrams/`;
+`python -m common.diagrams docs/diagrams` redraws the ones the docs show).
 The figures are built with `matplotlib.figure.Figure`, not pyplot, so a notebook shows each one once.
 """
 from __future__ import annotations
@@ -429,7 +430,20 @@ def save_all(folder="diagrams", dpi: int = 110) -> list:
     return paths
 
 
-if __name__ == "__main__":
-    import sys
-    for p in save_all(sys.argv[1] if len(sys.argv) > 1 else "diagrams"):
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m common.diagrams",
+                                 description="Save every diagram of the course as a PNG (no GPU needed).")
+    ap.add_argument("folder", nargs="?", default="diagrams",
+                    help="where to write <name>.png for each diagram (created if missing; default: %(default)s)")
+    ap.add_argument("--dpi", type=int, default=110, help="resolution of the PNG files (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.dpi <= 0:
+        ap.error(f"--dpi: expected a positive number, got {args.dpi}")
+    for p in save_all(args.folder, dpi=args.dpi):
         print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

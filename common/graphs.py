@@ -1,7 +1,8 @@
 """CUDA graphs: `capture_graph(fn, stream)` records the GPU work `fn()` enqueues, to replay it with one launch.
 
 One way to do each thing:
-- `capture_graph(fn, stream, node_priority=False)` -> a graph to `launch(stream)`;
+- `capture_graph(fn, stream, node_priority=False)` -> a graph to `launch(stream)` (`record_graph` is its
+  first half, the capture before any edit);
 - `stream_priorities()` -> (lowest, highest) stream priority of this GPU.
 
 A replayed graph has no host between its kernels, but it still has gaps: each dependent node starts a
@@ -183,16 +184,10 @@ class CapturedGraph:
                 pass
 
 
-def capture_graph(fn, stream=None, node_priority: bool = False, hoist_memsets: bool = True):
-    """A CUDA graph of the GPU work that `fn()` enqueues on `stream` (a non-blocking stream made here when
-    None): recorded, not run; replay it with `graph.launch(stream)`. Run `fn` once before capturing so
-    kernels are compiled and buffers allocated: neither may happen during a capture. The capture is closed
-    even when `fn` raises (CuPy refuses cuBLAS calls inside one), so the stream stays usable, and the
-    original error is the one reported.
-
-    hoist_memsets: cuBLAS's memsets into its workspace wait only for its previous call (the module's docstring
-    says why). node_priority: kernels keep the priorities of the streams they were captured on (work that `fn`
-    puts on a stream of another priority). Either way the graph is a CapturedGraph; with neither, CuPy's."""
+def record_graph(fn, stream=None):
+    """(CuPy Graph, cuBLAS calls): the GPU work `fn()` enqueues on `stream`, recorded as CUDA captures it, before
+    capture_graph edits it. The calls are what cublas_call noted, for hoist_cublas_memsets. Use capture_graph;
+    this is its first half (a lab that measures the unedited graph calls it alone)."""
     import cupy as cp
     from common.device import require_gpu
     require_gpu()
@@ -212,6 +207,19 @@ def capture_graph(fn, stream=None, node_priority: bool = False, hoist_memsets: b
         raise
     finally:
         calls = _recording.pop(cid, [])
-    graph = stream.end_capture()
-    moved = hoist_cublas_memsets(graph.graph, calls) if hoist_memsets else 0
+    return stream.end_capture(), calls
+
+
+def capture_graph(fn, stream=None, node_priority: bool = False):
+    """A CUDA graph of the GPU work that `fn()` enqueues on `stream` (a non-blocking stream made here when
+    None): recorded, not run; replay it with `graph.launch(stream)`. Run `fn` once before capturing so
+    kernels are compiled and buffers allocated: neither may happen during a capture. The capture is closed
+    even when `fn` raises (CuPy refuses cuBLAS calls inside one), so the stream stays usable, and the
+    original error is the one reported.
+
+    cuBLAS's memsets into its workspace are made to wait only for its previous call (the module's docstring
+    says why). node_priority: kernels keep the priorities of the streams they were captured on (work that `fn`
+    puts on a stream of another priority). A CapturedGraph where either applies, else CuPy's graph."""
+    graph, calls = record_graph(fn, stream)
+    moved = hoist_cublas_memsets(graph.graph, calls)
     return CapturedGraph(graph, node_priority, moved) if node_priority or moved else graph

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.device import device_info, nvrtc as _nvrtc, nvrtc_version, require_gpu
+
 ROOT = Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "common" / "include"
 # sm_70 (V100) .. sm_90 (H100/H200); T4 is sm_75, A100 sm_80, RTX 30xx sm_86, L4/RTX 40xx sm_89.
@@ -118,7 +120,6 @@ def load_module(path: str | os.PathLike, defines: dict | None = None, options: t
     template instantiations to compile (e.g. "layernorm<256>"), which `get_function` then accepts as names.
     """
     import cupy as cp
-    from common.device import require_gpu
 
     require_gpu()                           # cached: a clear error without a GPU, cheap with one
     device = cp.cuda.runtime.getDevice()    # a loaded module belongs to one GPU
@@ -180,7 +181,6 @@ def occupancy(kernel, block: int, dynamic_smem: int = 0) -> dict:
     reserves 1 KB of shared memory for the system). Above the kernel's current opt-in it first raises
     `kernel.max_dynamic_shared_size_bytes` to `dynamic_smem`, as the launch would; it never lowers it."""
     from cupy.cuda import driver
-    from common.device import device_info
     d = device_info()
     # The driver counts no block at all for more dynamic shared memory than the kernel has opted in to. The
     # launch opts in (allow_dynamic_smem), so the question is about the kernel once it has.
@@ -209,7 +209,6 @@ def allow_dynamic_smem(kernel, nbytes: int, what: str) -> None:
     (`max_dynamic_shared_size_bytes`), and past the GPU's opt-in limit (64 KB on a T4, 99 KB on an RTX 30/40,
     227 KB on an H100) this raises a ValueError that starts with `what` (the argument or choice responsible).
     An opt-in is only ever raised, never lowered below what the kernel already has."""
-    from common.device import device_info
     d = device_info()
     if nbytes > d["shared_per_block_optin"]:
         raise ValueError(f"{what} need {nbytes:,} B of shared memory per block; this GPU ({d['name']}) allows "
@@ -266,18 +265,6 @@ _PTXAS_FUNC = re.compile(r"Function properties for (\S+)\s*\n.*?(\d+) bytes stac
                          r"(\d+) bytes spill loads", re.S)
 _PTXAS_USED = re.compile(r"Compiling entry function '(\S+)'.*?Used (\d+) registers(?:, used \d+ barriers)?"
                          r"(?:, (\d+) bytes smem)?", re.S)
-
-
-def _nvrtc():
-    """CuPy's own binding of NVRTC, the run-time compiler it uses on the GPU: it loads without a driver, so the
-    same compiler compiles and sizes kernels on any machine (the CUDA 12 NVRTC that `cupy-cuda12x` brings
-    targets sm_70 .. sm_90)."""
-    from cupy_backends.cuda.libs import nvrtc
-    return nvrtc
-
-
-def nvrtc_version() -> tuple[int, int]:
-    return tuple(_nvrtc().getVersion())
 
 
 def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | None = None,

@@ -6,6 +6,7 @@ import numpy as np
 from common import bench, copy_bandwidth, device_info
 from common.benchmarks import Row
 from step1_simple import ops
+from step1_simple.lab import tuning
 
 N = 256 * 2 ** 20          # 256M fp32 = 1 GiB per array: far larger than any L2
 
@@ -30,8 +31,8 @@ def axpb_rows(data=None) -> list[Row]:
     kern = _cupy_axpb()
     t_cupy = bench(lambda: kern(x, np.float32(2), np.float32(1), y), name="CuPy ElementwiseKernel a*x+b", bytes=8 * N)
     axpb = {v: bench(lambda v=v: ops.axpb(x, 2.0, 1.0, out=y, version=v), name=f"axpb v{v}", bytes=8 * N)
-            for v in ops.VERSIONS}
-    tuned = [bench(lambda u=u, g=g: ops.axpb(x, 2.0, 1.0, out=y, version=4, unroll=u, grid=g * sms), bytes=8 * N,
+            for v in ops.AXPB_VERSIONS}
+    tuned = [bench(lambda u=u, g=g: tuning.axpb(x, 2.0, 1.0, out=y, version=4, unroll=u, grid=g * sms), bytes=8 * N,
                    name=f"axpb v4 tuned (UNROLL={u}, {g} blocks/SM)") for u in (2, 4, 8) for g in (4, 8, 16)]
     axpb["v4 tuned"] = min(tuned, key=lambda t: t.median_ms)
     best = max(axpb, key=lambda v: axpb[v].gbps)
@@ -70,8 +71,8 @@ def reduce_rows(data=None) -> list[Row]:
     rows = []
     xs = rng.uniform(0.5, 1.5, N, dtype=cp.float32)
     t_cs = bench(lambda: cp.sum(xs), name="cupy.sum", bytes=4 * N)
-    sums = {v: bench(lambda v=v: ops.total(xs, version=v), name=f"sum v{v}", bytes=4 * N) for v in (1, 2, 3)}
-    tuned = [bench(lambda u=u, g=g: ops.total(xs, version=3, unroll=u, grid=g * sms), bytes=4 * N,
+    sums = {v: bench(lambda v=v: ops.total(xs, version=v), name=f"sum v{v}", bytes=4 * N) for v in ops.SUM_VERSIONS}
+    tuned = [bench(lambda u=u, g=g: tuning.total(xs, version=3, unroll=u, grid=g * sms), bytes=4 * N,
                    name=f"sum v3 tuned (UNROLL={u}, {g} blocks/SM)") for u in (2, 4, 8) for g in (4, 8, 16)]
     sums["v3 tuned"] = min(tuned, key=lambda t: t.median_ms)
     best = max(sums, key=lambda v: sums[v].gbps)

@@ -1,5 +1,6 @@
 """Python side of step 1: launch the kernels of axpb.cu, zoo.cu, fusion.cu and reduce.cu with checked
-arguments. The notebooks call these; the tests check them against common.reference."""
+arguments. The notebooks call these; the tests check them against common.reference. The compile-time
+choices (UNROLL, the reduction's block) are fixed here; step1_simple/lab/tuning.py sweeps them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,10 +10,12 @@ import numpy as np
 from common import expect_array, expect_choice, get_kernel, launch_grid, out_array
 
 HERE = Path(__file__).resolve().parent
-VERSIONS = (1, 2, 3, 4)
+AXPB_VERSIONS = (1, 2, 3, 4)
 SUM_VERSIONS = (1, 2, 3)
-UNROLLS = (1, 2, 4, 8)          # float4 loads in flight per thread (axpb v4, sum v3)
-SUM_BLOCKS = (64, 128, 256, 512, 1024)
+UNROLL = 4              # float4 loads in flight per thread (axpb v4, sum v3)
+SUM_BLOCK = 256         # threads per block of the reductions
+UNROLLS = (1, 2, 4, 8)                   # what axpb.cu and reduce.cu accept for UNROLL
+SUM_BLOCKS = (64, 128, 256, 512, 1024)   # reduce.cu's tree halves the block: a power of two
 
 
 def _per_sm(block: int) -> int:
@@ -26,13 +29,17 @@ def _head(ptr: int, n: int) -> int:
     return min(n, ((16 - ptr % 16) % 16) // 4)
 
 
-def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, grid: int | None = None,
-         unroll: int = 4):
-    """y = a*x + b on a float32 GPU vector, with kernel axpb_v<version> of axpb.cu (`unroll`: v4's
-    float4 loads in flight per thread)."""
+def axpb(x, a: float, b: float, out=None, version: int = 4, block: int = 256, grid: int | None = None):
+    """y = a*x + b on a float32 GPU vector, with kernel axpb_v<version> of axpb.cu: `block` threads per block;
+    `grid` blocks for the grid-stride versions (v2..v4; by default enough to fill every SM)."""
+    return _axpb(x, a, b, out, version, block, grid, UNROLL)
+
+
+def _axpb(x, a, b, out, version, block, grid, unroll):
+    """axpb with the compile-time UNROLL as an argument: the one launch path of ops.axpb and of the lab's sweep."""
     x = expect_array(x, "x", dtype=np.float32, ndim=1)
     y = out_array(out, x.shape)
-    expect_choice(version, "version", VERSIONS)
+    expect_choice(version, "version", AXPB_VERSIONS)
     if not (32 <= block <= 1024 and block % 32 == 0):
         raise ValueError(f"block: expected a multiple of 32 between 32 and 1024, got {block}")
     n = x.size
@@ -102,9 +109,13 @@ def mul_add_gelu(x, w, b, out=None, block: int = 256):
     return y
 
 
-def total(x, version: int = 3, block: int = 256, grid: int | None = None, unroll: int = 4):
-    """Sum of a float32 GPU vector with sum_v<version> of reduce.cu; returns a 0-d float32 CuPy array.
-    (`unroll`: v3's float4 loads in flight per thread.)"""
+def total(x, version: int = 3):
+    """Sum of a float32 GPU vector with sum_v<version> of reduce.cu; returns a 0-d float32 CuPy array."""
+    return _total(x, version, SUM_BLOCK, None, UNROLL)
+
+
+def _total(x, version, block, grid, unroll):
+    """total with block, grid and UNROLL as arguments: the one launch path of ops.total and of the lab's sweep."""
     import cupy as cp
     x = expect_array(x, "x", dtype=np.float32, ndim=1)
     expect_choice(version, "version", SUM_VERSIONS)

@@ -97,6 +97,7 @@ def tile_rows(T=TARGET_T) -> list[Row]:
     """The compile-time tile sizes, measured: what flash.TILES / flash.TC_TILES defaults were chosen from."""
     import cupy as cp
     from step2_attention import flash, ops
+    from step2_attention.lab import tiles as lab_tiles
     q, k, v = (cp.asarray(rand(B, H, T, D, seed=i)) for i in range(3))
     flops = ops.attention_flops(B, H, T, D, causal=True)
     out = cp.empty_like(q)
@@ -123,7 +124,7 @@ def tile_rows(T=TARGET_T) -> list[Row]:
                 print(f"skipping {name}: needs {flash.tc_smem_bytes(D, t):,} B of shared memory per block, "
                       f"more than this GPU allows")
                 continue
-            rows.append(Row.of(bench(lambda: flash.flash_attention_tc(qb, kb, vb, out=ob, tiles=t), name=name,
+            rows.append(Row.of(bench(lambda: lab_tiles.flash_attention_tc(qb, kb, vb, out=ob, tiles=t), name=name,
                                      flops=flops), f"T{T}"))
     except RuntimeError as e:
         print(f"skipping bf16 tile sweep: {e}")
@@ -155,6 +156,10 @@ def run() -> list[Row]:
     return attention_rows() + tile_rows() + decode_rows()
 
 
+def main(argv=None) -> int:
+    from common.benchmarks import module_main
+    return module_main("step2_attention.benchmarks_flash", __doc__, run, argv)
+
+
 if __name__ == "__main__":
-    from common.benchmarks import table
-    print(table(run()))
+    raise SystemExit(main())

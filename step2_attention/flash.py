@@ -16,14 +16,14 @@ from common import (allow_dynamic_smem, device_info, expect_array, expect_choice
                     require_arch)
 
 HERE = Path(__file__).resolve().parent
-VERSIONS = (1, 2, 3)
+FLASH_VERSIONS = (1, 2, 3)
 BEST = 3
 HEAD_DIMS = (32, 64)
 LOG2E = 1.4426950408889634
 # tile sizes of flash_attention.cu v2/v3 (compile-time defines; benchmarks_flash.py can sweep them)
 TILES = {"BR": 64, "BC": 64, "TM": 4}
 V1_ROWS = 4             # flash_v1: query rows per block, one warp each
-DECODE_VERSIONS = (1, 2)
+DECODE_ATTENTION_VERSIONS = (1, 2)
 DECODE_WARPS = 4        # decode_split: warps per block
 
 
@@ -68,7 +68,7 @@ def fp32_kernel(version: int, d: int, tiles: dict | None = None):
     """(kernel, threads per block, dynamic shared bytes) of flash_attention.cu's flash_v<version> at head
     dim d: exactly what flash_attention launches (the notebook reads its resources from it). Raises
     ValueError when the tiles need more shared memory than the GPU has."""
-    expect_choice(version, "version", VERSIONS)
+    expect_choice(version, "version", FLASH_VERSIONS)
     t = tiles or TILES
     kernel = get_kernel(HERE / "flash_attention.cu", f"flash_v{version}", {"HEAD_DIM": d, "V1_ROWS": V1_ROWS, **t})
     if version == 1:
@@ -169,7 +169,8 @@ def bf16_to_float32(x):
     return (x.astype(cp.uint32) << 16).view(cp.float32)
 
 
-TC_TILES = {"WARPS": 4, "BC": 64}   # flash_attention_tc.cu: 16*WARPS query rows per block, BC keys per tile
+# flash_attention_tc.cu: 16*WARPS query rows per block, BC keys per tile (step2_attention/lab/tiles.py sweeps them)
+TC_TILES = {"WARPS": 4, "BC": 64}
 
 
 def tc_kernel(bf16: bool, d: int, tiles: dict | None = None):
@@ -183,14 +184,18 @@ def tc_kernel(bf16: bool, d: int, tiles: dict | None = None):
     return kernel, 32 * t["WARPS"], smem
 
 
-def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None, out=None, tiles: dict | None = None,
-                       fp32_fallback: bool | None = None):
+def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None, out=None):
     """Tensor-core flash attention: q/k/v (B, H, T, D) fp16, or bf16 (uint16 bit patterns), D in
     {32, 64, 128}; fp32 accumulation; returns the input dtype. fp16 needs sm_75+, bf16 sm_80+.
 
     On a V100 (sm_70), which lacks the m16n8k8 instruction, fp16 inputs run through the fp32 flash kernel
-    (upcast, attend, round back) with a warning: same results within fp16 tolerance, no tensor cores.
-    `fp32_fallback=True` forces that path on any GPU (the tests use it); None means "only on sm_70"."""
+    (upcast, attend, round back) with a warning: same results within fp16 tolerance, no tensor cores."""
+    return _flash_attention_tc(q, k, v, causal, scale, out, None, None)
+
+
+def _flash_attention_tc(q, k, v, causal, scale, out, tiles: dict | None, fp32_fallback: bool | None):
+    """flash_attention_tc with other TC_TILES (`tiles`) and `fp32_fallback` (True: the sm_70 path on any GPU;
+    None: only on sm_70): the one launch path of flash_attention_tc and of step2_attention/lab/tiles.py."""
     import cupy as cp
     q = expect_array(q, "q", ndim=4)
     if q.dtype != np.float16 and not _is_bf16(q):
@@ -210,7 +215,7 @@ def flash_attention_tc(q, k, v, causal: bool = True, scale: float | None = None,
         if fp32_fallback is None:
             import warnings
             warnings.warn("fp16 tensor-core attention needs sm_75 (mma.sync m16n8k8); this GPU is sm_70, so "
-                          "flash_attention_tc runs the fp32 flash kernel on upcast inputs instead", stacklevel=2)
+                          "flash_attention_tc runs the fp32 flash kernel on upcast inputs instead", stacklevel=3)
         res = flash_attention(q.astype(cp.float32), k.astype(cp.float32), v.astype(cp.float32), causal, scale)
         out[...] = res.astype(cp.float16)
         return out
@@ -254,7 +259,7 @@ def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None
     v_cache = expect_array(v_cache, "v_cache", dtype=np.float32, shape=(B, H, Lmax, d))
     lengths = expect_array(lengths, "lengths", dtype=np.int32, shape=(B,))
     out = out_array(out, q.shape)
-    expect_choice(version, "version", DECODE_VERSIONS)
+    expect_choice(version, "version", DECODE_ATTENTION_VERSIONS)
     _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)   # float4 loads
     if Lmax == 0:
         raise ValueError(f"k_cache: expected at least one cache row, got shape {k_cache.shape}")

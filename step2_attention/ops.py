@@ -24,7 +24,7 @@ SOFTMAX_WARPS = 4       # v3/v4 rows per block (one warp each)
 SOFTMAX_CACHE = 32      # v4 floats per lane kept in registers: rows up to 32 * SOFTMAX_CACHE are read once
 V1_BLOCK = 128          # v1 rows per block (one thread each)
 MATMUL_TILE = 32        # v2
-MATMUL_V3 = {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8, "MIN_BLOCKS": 2}
+MATMUL_V3 = {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8, "MIN_BLOCKS": 2}   # lab/tiles.py tries others
 ATTN_TILE = 32
 
 
@@ -87,9 +87,14 @@ def softmax_bytes(rows: int, cols: int, version: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ matmul
-def matmul_kernel(version: int, config: dict | None = None, vec: bool = True):
-    """(kernel, block shape) of matmul.cu's matmul_v<version>: what `matmul` launches. `config` (v3 only)
-    overrides MATMUL_V3's tile defines; `vec=False` gives v3's scalar-load fallback (matmul_v3_scalar)."""
+def matmul_kernel(version: int, vec: bool = True):
+    """(kernel, block shape) of matmul.cu's matmul_v<version>: what `matmul` launches. `vec=False` gives v3's
+    scalar-load fallback (matmul_v3_scalar)."""
+    return _matmul_kernel(version, None, vec)
+
+
+def _matmul_kernel(version: int, config: dict | None, vec: bool):
+    """matmul_kernel with `config` overriding MATMUL_V3's tile defines (v3 only): the lab's tile sweep."""
     expect_choice(version, "version", MATMUL_VERSIONS)
     if version == 3:
         cfg = {**MATMUL_V3, **(config or {})}
@@ -101,10 +106,14 @@ def matmul_kernel(version: int, config: dict | None = None, vec: bool = True):
     return kernel, ((32, 8) if version == 1 else (MATMUL_TILE, MATMUL_TILE))
 
 
-def matmul(a, b, version: int = 3, out=None, config: dict | None = None):
-    """C = A @ B for float32 GPU arrays A (M, K), B (K, N), with matmul_v<version> of matmul.cu.
+def matmul(a, b, version: int = 3, out=None):
+    """C = A @ B for float32 GPU arrays A (M, K), B (K, N), with matmul_v<version> of matmul.cu."""
+    return _matmul(a, b, version, out, None)
 
-    `config` (v3 only) overrides the tile defines, e.g. {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8}."""
+
+def _matmul(a, b, version: int, out, config: dict | None):
+    """matmul with `config` overriding MATMUL_V3's tile defines (v3 only): the one launch path of ops.matmul and
+    of the lab's tile sweep."""
     a = expect_array(a, "a", dtype=np.float32, ndim=2)
     b = expect_array(b, "b", dtype=np.float32, ndim=2)
     expect_choice(version, "version", MATMUL_VERSIONS)
@@ -120,7 +129,7 @@ def matmul(a, b, version: int = 3, out=None, config: dict | None = None):
         c.fill(0)
         return c
     vec = N % 4 == 0 and float4_rows(K, a, b, c)   # v3's float4 loads
-    kernel, block = matmul_kernel(version, config, vec)
+    kernel, block = _matmul_kernel(version, config, vec)
     cfg = {**MATMUL_V3, **(config or {})}
     tile_n, tile_m = (cfg["BN"], cfg["BM"]) if version == 3 else block     # the C tile one block computes
     grid = (-(-N // tile_n), -(-M // tile_m))

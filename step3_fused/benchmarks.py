@@ -1,6 +1,6 @@
 """Step 3 benchmark rows (python -m common.benchmarks --only step3_fused): fused residual + LayerNorm vs torch
-and the bytes floor, LayerNorm versions, the attention sublayer fused vs unfused vs torch, the decode tail
-(separate / two kernels / one kernel), conv2d + bias + ReLU and the over-fused LayerNorm + GEMM.
+and the bytes floor, LayerNorm versions, the attention sublayer fused vs unfused vs torch, the decode tail's
+schedules (separate / two kernels / one kernel), conv2d + bias + ReLU and the over-fused LayerNorm + GEMM.
 fp32 everywhere, TF32 off on every side (CuPy's cuBLAS is fp32 unless CUPY_TF32=1)."""
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def layernorm_rows() -> list[Row]:
     w, b = cp.asarray(rand(C, seed=3, low=0.5, high=1.5)), cp.asarray(rand(C, seed=4))
     y = cp.empty_like(x)
     rows, ts = [], {}
-    for v in ops.LN_VERSIONS:
+    for v in ops.LAYERNORM_VERSIONS:
         ts[v] = bench(lambda: ops.layernorm(x, w, b, version=v, out=y), name=f"layernorm v{v}", bytes=8.0 * N * C)
     torch = torch_cuda()
     anchor = None
@@ -170,33 +170,35 @@ def decode_bytes(B: int, L: int, H: int = 12, D: int = 64) -> float:
     return 4.0 * (2 * B * H * L * D + C * C + B * C * 4)
 
 
-def time_decode(version: str, case: dict, graph: bool = False, **kw):
-    """Timing of ops.decode_sublayer(version) on preallocated buffers; graph=True replays a CUDA graph
-    of one call (no Python or launch overhead between kernels). `median_ms` is the GPU's time (CUDA
-    events; bench queues the call behind 100 us of GPU work, so host launch overhead is hidden);
-    `wall_median_ms` is the host clock around one call + synchronize from an idle GPU, overhead included."""
+def decode_call(schedule: str, case: dict, graph: bool = False):
+    """A call of ops.decode_sublayer(schedule) on preallocated buffers, to time with common.bench (its bytes:
+    decode_bytes). graph=True: the call captured once as a CUDA graph and replayed on the current stream (one
+    launch, no Python between kernels); capturing raises for the separate schedules, since CuPy refuses cuBLAS
+    calls in a capture. The returned function's `outputs` are the (r, y) buffers every call rewrites. bench's `median_ms` is the GPU's time (it queues the call behind 100 us of GPU work, so
+    host launch overhead is hidden); `wall_median_ms` is the host clock around one call + synchronize from an
+    idle GPU, overhead included."""
     import cupy as cp
     from step3_fused import ops
     B, C = case["x"].shape
     r, y = cp.empty_like(case["x"]), cp.empty_like(case["x"])
     attn, proj = cp.empty((B, C), cp.float32), cp.empty((B, C), cp.float32)
     ws = (cp.zeros((B, C), cp.float32), cp.zeros(B, cp.int32))
-    L = case["k_cache"].shape[2]
 
     def call():
-        ops.decode_sublayer(**case, version=version, out_residual=r, out_ln=y, workspace=ws, attn_out=attn,
+        ops.decode_sublayer(**case, schedule=schedule, out_residual=r, out_ln=y, workspace=ws, attn_out=attn,
                             proj_out=proj)
-    call()
-    name = f"decode {version}" + (" (graph)" if graph else "")
-    nbytes = decode_bytes(B, L, case["q"].shape[1], case["q"].shape[2])
+    call()                                  # compiles the kernels: nothing may compile during a capture
     if not graph:
-        return bench(call, name=name, bytes=nbytes, **kw)
+        call.outputs = (r, y)
+        return call
     stream = cp.cuda.Stream(non_blocking=True)
-    g = capture_graph(call, stream)         # raises for the separate versions: CuPy refuses cuBLAS in a capture
+    g = capture_graph(call, stream)
     stream.synchronize()
 
-    with stream:
-        return bench(lambda: g.launch(stream), name=name, bytes=nbytes, **kw)
+    def replay():
+        g.launch()
+    replay.outputs = (r, y)                 # what each call writes (tests read it)
+    return replay
 
 
 def decode_rows() -> list[Row]:
@@ -208,9 +210,10 @@ def decode_rows() -> list[Row]:
         size = f"B{B} L{L} C768"
         for graph in (False, True):
             ts = {}
-            for v in ops.DECODE_VERSIONS:
+            for v in ops.DECODE_SCHEDULES:
                 try:
-                    ts[v] = time_decode(v, case, graph=graph)
+                    ts[v] = bench(decode_call(v, case, graph), name=f"decode {v}" + (" (graph)" if graph else ""),
+                                  bytes=decode_bytes(B, L))
                 except Exception as e:     # CuPy refuses cuBLAS calls during stream capture
                     rows.append(unavailable(f"decode {v}" + (" (graph)" if graph else ""), size,
                                             f"{type(e).__name__}: {e}"))

@@ -1,8 +1,11 @@
 """Benchmarks of step 3b (the fused training step), at a realistic size: vocab 8192, E=256, H=1024, B=512, K=3.
 
-Rows: the whole step fused vs the same step from one kernel per operation (target: >= 1.3x), the pieces
-(forward+backward, optimiser) with their anchors, the cuBLAS GEMMs alone (the floor both versions share),
-tokens/s batched vs one sample per step, and the same network in PyTorch eager when torch has CUDA.
+Rows: the whole step fused vs the same step from one kernel per operation, the pieces (forward+backward,
+optimiser) with their anchors, the cuBLAS GEMMs alone (the floor both versions share), tokens/s batched vs one
+sample per step, and the same network in PyTorch eager when torch has CUDA.
+
+    python -m step3_fused.benchmarks_training             # this table alone
+    python -m common.benchmarks --only step3_fused:training  # the same rows, also written to the JSON
 """
 from __future__ import annotations
 
@@ -148,6 +151,10 @@ def _per_token(per, tokens):
     return _T()
 
 
+def main(argv=None) -> int:
+    from common.benchmarks import module_main
+    return module_main("step3_fused.benchmarks_training", __doc__, run, argv)
+
+
 if __name__ == "__main__":
-    from common.benchmarks import table
-    print(table(run()))
+    raise SystemExit(main())

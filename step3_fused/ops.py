@@ -17,7 +17,7 @@ from common import (expect_array, expect_choice, float4_rows, launch_grid, get_k
 HERE = Path(__file__).resolve().parent
 LAYERNORM, RESIDUAL_LN = HERE / "layernorm.cu", HERE / "residual_layernorm.cu"
 GLUE, DECODE, HURTS = HERE / "sublayer_glue.cu", HERE / "sublayer_decode.cu", HERE / "when_fusion_hurts.cu"
-LN_VERSIONS = (1, 2, 3, 4)
+LAYERNORM_VERSIONS = (1, 2, 3, 4)
 # Compile-time constants of the .cu files, defined here only and passed as -D defines (the .cu files have no
 # defaults), so a launch configuration and its kernel cannot disagree.
 LN_BLOCK = 256                # LayerNorm v2..v4 and residual_layernorm: one warp per row, LN_BLOCK // 32 rows a block
@@ -48,7 +48,7 @@ def layernorm(x, weight, bias, eps: float = 1e-5, version: int = 4, out=None):
     N, C = x.shape
     weight = expect_array(weight, "weight", dtype=np.float32, shape=(C,))
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(C,))
-    expect_choice(version, "version", LN_VERSIONS)
+    expect_choice(version, "version", LAYERNORM_VERSIONS)
     y = out_array(out, x.shape)
     if N == 0:
         return y
@@ -186,7 +186,7 @@ class AttentionSublayer:
     """The attention sublayer of a GPT-2 block on preallocated buffers, as a list of stages.
 
         sub = AttentionSublayer(x, params, n_head, fused=True)
-        r, ln2 = sub()                    # run every stage
+        r, ln2 = sub()                    # run every stage; r, ln2 are sub.r, sub.y, which the next call rewrites
         for s in sub.stages: bench(s.fn)  # or time them one by one
 
     unfused: ln_1, QKV GEMM, bias add, split heads, naive attention (3 kernels, step 2), merge heads,
@@ -283,7 +283,8 @@ def attention_sublayer_fused(x, params: dict, n_head: int, eps: float = 1e-5, ou
 
 
 # ------------------------------------------------------------------------------------ decode sublayer tail
-DECODE_VERSIONS = ("separate", "separate-splitk", "two", "fused")
+# Not numbered versions of one kernel but four schedules of the same work: how many kernels it is split into.
+DECODE_SCHEDULES = ("separate", "separate-splitk", "two", "fused")
 _decode_workspaces: dict = {}
 
 
@@ -294,7 +295,7 @@ def _decode_defines(D: int) -> dict:
 
 
 def decode_workspace(B: int, C: int):
-    """The zeroed (accum (B, C) float32, counter (B,) int32) pair the one- and two-kernel versions use.
+    """The zeroed (accum (B, C) float32, counter (B,) int32) pair the one- and two-kernel schedules use.
     The kernels leave it zeroed, so one per shape is reused (not safe for concurrent calls on two streams)."""
     require_gpu()
     import cupy as cp
@@ -319,7 +320,7 @@ def decode_attention_merged(q, k_cache, v_cache, lengths, out=None):
     """Decode attention with the heads merged on the store: returns (B, H*D), the projection GEMM's input.
     One query per sequence against its first lengths[b] cache rows (clamped to [0, Lmax]; 0 gives zeros).
     q (B, H, D), caches (B, H, Lmax, D), lengths int32 (B,) on the GPU. One block per (head, sequence),
-    running the same attention code as the fused decode kernel, so the decode versions differ only in
+    running the same attention code as the fused decode kernel, so the decode schedules differ only in
     fusion (step 2's decode_attention is the split-K one: (B, H, D) out, lengths >= 1)."""
     q, k_cache, v_cache, lengths = _check_decode(q, k_cache, v_cache, lengths)
     B, H, D = q.shape
@@ -332,15 +333,17 @@ def decode_attention_merged(q, k_cache, v_cache, lengths, out=None):
 
 
 def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b, eps: float = 1e-5,
-                    version: str = "fused", out_residual=None, out_ln=None, workspace=None, attn_out=None,
+                    schedule: str = "fused", out_residual=None, out_ln=None, workspace=None, attn_out=None,
                     proj_out=None):
     """Decode-step tail: r = x + attention(q, caches) @ w_proj + b_proj, y = LayerNorm(r). Returns (r, y).
 
-    version "separate": decode_attention_merged, cupy.matmul, residual_layernorm (3 launches);
-            "separate-splitk": the same with step 2's split-K decode_attention (4 launches; lengths >= 1);
-            "two":      decode_attention_merged, then projection + bias + residual + LN in one kernel;
-            "fused":    all of it in one kernel (see sublayer_decode.cu).
-    x (B, C) may be out_residual (in place). b_proj may be None."""
+    schedule "separate": decode_attention_merged, cupy.matmul, residual_layernorm (3 launches);
+             "separate-splitk": the same with step 2's split-K decode_attention (4 launches; lengths >= 1);
+             "two":      decode_attention_merged, then projection + bias + residual + LN in one kernel;
+             "fused":    all of it in one kernel (see sublayer_decode.cu).
+    x (B, C) may be out_residual (in place). b_proj may be None. With every buffer given (out_residual, out_ln,
+    workspace = decode_workspace's pair, attn_out and proj_out (B, C) for the schedules that have those
+    intermediates) a call allocates nothing, so a CUDA graph can capture it (section 1 of 03c)."""
     import cupy as cp
     q, k_cache, v_cache, lengths = _check_decode(q, k_cache, v_cache, lengths)
     B, H, D = q.shape
@@ -351,13 +354,13 @@ def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b,
         b_proj = expect_array(b_proj, "b_proj", dtype=np.float32, shape=(C,))
     ln_w = expect_array(ln_w, "ln_w", dtype=np.float32, shape=(C,))
     ln_b = expect_array(ln_b, "ln_b", dtype=np.float32, shape=(C,))
-    expect_choice(version, "version", DECODE_VERSIONS)
+    expect_choice(schedule, "schedule", DECODE_SCHEDULES)
     r = out_array(out_residual, (B, C), name="out_residual")
     y = out_array(out_ln, (B, C), name="out_ln")
     if B == 0:
         return r, y
-    if version.startswith("separate"):
-        if version == "separate":
+    if schedule.startswith("separate"):
+        if schedule == "separate":
             attn = decode_attention_merged(q, k_cache, v_cache, lengths, out=attn_out)
         else:       # step 2's flash-decoding: the cache split over many blocks, then a combine kernel
             from step2_attention.flash import decode_attention
@@ -371,7 +374,7 @@ def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b,
     has_bias = np.int32(b_proj is not None)
     pb = b_proj if b_proj is not None else ln_b
     tail = (x, ln_w, ln_b, accum, counter, r, y)
-    if version == "two":
+    if schedule == "two":
         attn = decode_attention_merged(q, k_cache, v_cache, lengths, out=attn_out)
         get_kernel(DECODE, "decode_proj_ln", _decode_defines(D))(
             (H, B), (DECODE_BLOCK,), (attn, w_proj, pb, has_bias, *tail, np.int32(H), np.float32(eps)))
@@ -383,7 +386,7 @@ def decode_sublayer(x, q, k_cache, v_cache, lengths, w_proj, b_proj, ln_w, ln_b,
 
 
 # ------------------------------------------------------------------------------------ when fusion hurts
-def conv2d_bias_relu(x, w, bias, fused: bool = True, out=None, block: int = GLUE_BLOCK):
+def conv2d_bias_relu(x, w, bias, fused: bool = True, out=None):
     """relu(conv2d(x, w) + bias): NCHW, stride 1, "same" zero padding, w (Cout, Cin, KSIZE, KSIZE).
     fused=False runs conv2d, bias_add_nchw and relu_inplace (3 launches) instead of one kernel."""
     x = expect_array(x, "x", dtype=np.float32, ndim=4)
@@ -397,15 +400,15 @@ def conv2d_bias_relu(x, w, bias, fused: bool = True, out=None, block: int = GLUE
     n = y.size
     if n == 0:
         return y
-    grid = launch_grid(n, block, per_sm=16)
+    grid = launch_grid(n, GLUE_BLOCK, per_sm=16)
     dims = (np.int32(N), np.int32(Cin), np.int32(H), np.int32(W), np.int32(Cout))
     if fused:
-        get_kernel(HURTS, "conv2d_bias_relu", HURTS_DEFINES)(grid, (block,), (x, w, bias, y, *dims))
+        get_kernel(HURTS, "conv2d_bias_relu", HURTS_DEFINES)(grid, (GLUE_BLOCK,), (x, w, bias, y, *dims))
     else:
-        get_kernel(HURTS, "conv2d", HURTS_DEFINES)(grid, (block,), (x, w, y, *dims))
+        get_kernel(HURTS, "conv2d", HURTS_DEFINES)(grid, (GLUE_BLOCK,), (x, w, y, *dims))
         get_kernel(HURTS, "bias_add_nchw", HURTS_DEFINES)(
-            grid, (block,), (y, bias, np.int64(n), np.int32(Cout), np.int32(H * W)))
-        get_kernel(HURTS, "relu_inplace", HURTS_DEFINES)(grid, (block,), (y, np.int64(n)))
+            grid, (GLUE_BLOCK,), (y, bias, np.int64(n), np.int32(Cout), np.int32(H * W)))
+        get_kernel(HURTS, "relu_inplace", HURTS_DEFINES)(grid, (GLUE_BLOCK,), (y, np.int64(n)))
     return y
 
 

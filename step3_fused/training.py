@@ -6,10 +6,12 @@ train_update.cu) around cuBLAS GEMMs. The data (plays, split, vocabulary, window
     vocab = Vocab.build(tokenize(train_text), max_size=4096)
     model = Model(vocab=len(vocab), embed=128, hidden=512, context=3)
     opt = AdamW(model.params, lr=2e-3)
-    loss = model.step(ctx, targets, opt)            # one fused training step (a CuPy scalar, no sync)
+    loss = model.step(ctx, targets, opt)            # one fused training step: a 0-d CuPy array, float(loss) waits
 
-Every GPU wrapper checks its arguments with common.expect_array (token ids are also range-checked) and says
-which argument is wrong.
+Every GPU wrapper checks its arguments with common.expect_array and range-checks token ids with
+common.expect_token_ids (check=False skips that range check, which costs a device-to-host transfer: the
+Model checks a batch once and its kernels skip it; the kernels turn an id outside the table into NaN, never
+into a read outside it). Errors name the argument that is wrong.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, expect_choice, launch_grid, get_kernel, out_array, require_gpu
+from common import expect_array, expect_choice, expect_token_ids, launch_grid, get_kernel, out_array, require_gpu
 from common.reference import mlp as ref
 from step3_fused.shakespeare import Vocab, tokenize
 
@@ -44,22 +46,16 @@ def _feature_threads(E: int) -> tuple:
     return (min(256, max(32, -(-E // 32) * 32)),)
 
 
-def check_ids(ids, name: str, vocab: int, ndim: int):
-    """int32 GPU array of token ids in [0, vocab) - a bad id would read outside the embedding table."""
-    import cupy as cp
+def _ids(ids, name: str, vocab: int, ndim: int, check: bool):
+    """A C-contiguous int32 GPU array of token ids; with check, also in [0, vocab) (common.expect_token_ids)."""
     ids = expect_array(ids, name, dtype=np.int32, ndim=ndim)
-    if ids.size:
-        lo, hi = (int(v) for v in cp.stack([ids.min(), ids.max()]).get())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"{name}: token ids must be in [0, {vocab}) (the vocabulary size), got values in "
-                             f"[{lo}, {hi}]")
-    return ids
+    return expect_token_ids(ids, vocab, name, ndim=ndim, dtype=np.int32) if check else ids
 
 
 def embed_mean(emb, ctx, out=None, check: bool = True):
     """x[b] = mean_j emb[ctx[b, j]]. emb (V, E) float32, ctx (B, K) int32 -> (B, E)."""
     emb = expect_array(emb, "emb", dtype=np.float32, ndim=2)
-    ctx = check_ids(ctx, "ctx", emb.shape[0], 2) if check else expect_array(ctx, "ctx", dtype=np.int32, ndim=2)
+    ctx = _ids(ctx, "ctx", emb.shape[0], 2, check)
     B, K = ctx.shape
     if K < 1:
         raise ValueError(f"ctx: expected at least one context column, got shape {ctx.shape}")
@@ -112,10 +108,7 @@ def softmax(z, out=None):
 
 
 def _targets(targets, rows, cols, check):
-    if check:
-        t = check_ids(targets, "targets", cols, 1)
-    else:
-        t = expect_array(targets, "targets", dtype=np.int32, ndim=1)
+    t = _ids(targets, "targets", cols, 1, check)
     if t.shape[0] != rows:
         raise ValueError(f"targets: expected shape ({rows},) (one per row), got {t.shape}")
     return t
@@ -215,7 +208,7 @@ def bias_grads_relu_backward(dz, dh, h, db2, db1):
 def _emb_args(emb_like, dx, ctx, check, emb_name):
     V, E = emb_like.shape
     dx = expect_array(dx, "dx", dtype=np.float32, ndim=2)
-    ctx = check_ids(ctx, "ctx", V, 2) if check else expect_array(ctx, "ctx", dtype=np.int32, ndim=2)
+    ctx = _ids(ctx, "ctx", V, 2, check)
     if dx.shape != (ctx.shape[0], E):
         raise ValueError(f"dx: expected shape ({ctx.shape[0]}, {E}) (one row per sample of ctx, E like {emb_name}), "
                          f"got {dx.shape}")
@@ -328,7 +321,13 @@ class SGD(_Optimizer):
 
 
 class AdamW(_Optimizer):
-    """AdamW (PyTorch's formula) over every tensor; `multi=True`: one launch for all (adamw_multi)."""
+    """AdamW (PyTorch's formula) over every tensor; `multi=True`: one launch for all (adamw_multi).
+
+    The defaults are torch.optim.AdamW's (betas (0.9, 0.999), weight decay 0.01), so this MLP trains like the
+    PyTorch replica it is checked against. Step 4b trains GPT with nanoGPT's settings for a small character
+    model, betas (0.9, 0.99) and weight decay 0.1: a second moment averaged over about 100 steps instead of
+    1000 suits a run of a few thousand steps, and the stronger decay regularises a transformer that sees the
+    same small text again and again."""
 
     def __init__(self, params: dict, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, decayed=ref.DECAYED):
@@ -405,7 +404,7 @@ class Model:
         return self._bufs[B]
 
     def _check_batch(self, ctx, targets, check):
-        ctx = check_ids(ctx, "ctx", self.V, 2) if check else expect_array(ctx, "ctx", dtype=np.int32, ndim=2)
+        ctx = _ids(ctx, "ctx", self.V, 2, check)
         if ctx.shape[1] != self.K or ctx.shape[0] < 1:
             raise ValueError(f"ctx: expected shape (B >= 1, {self.K}) (context={self.K}), got {ctx.shape}")
         if targets is not None:
@@ -413,8 +412,9 @@ class Model:
         return ctx, targets
 
     def forward_backward(self, ctx, targets, fused: bool = True, check: bool = True, sparse_embedding: bool = False):
-        """Loss (CuPy scalar) and self.grads for one batch; with sparse_embedding the embedding gradient is
-        not formed (the caller applies it from self.last_dx, as the fused SGD step does)."""
+        """The batch's mean loss, a new 0-d CuPy array (float(loss) waits for the GPU), and self.grads, which
+        the next call overwrites. With sparse_embedding the embedding gradient is not formed (the caller
+        applies it from self.last_dx, as the fused SGD step does)."""
         import cupy as cp
         ctx, targets = self._check_batch(ctx, targets, check)
         B, P, G, buf = ctx.shape[0], self.params, self.grads, self._buffers(ctx.shape[0])
@@ -450,7 +450,8 @@ class Model:
         return losses.mean()
 
     def step(self, ctx, targets, optimizer, fused: bool = True, check: bool = True):
-        """One training step; returns the batch's mean loss before the update (a CuPy scalar, no sync).
+        """One training step; returns the batch's mean loss before the update: a new 0-d CuPy array that no
+        later call overwrites, still on the GPU (adding it up costs no sync; float(loss) waits for the step).
 
         fused=True: fused kernels + one-launch optimiser (SGD updates the embedding straight from dx).
         fused=False: one kernel per operation + one optimiser launch per tensor (the baseline)."""
@@ -466,7 +467,7 @@ class Model:
         return loss
 
     def loss(self, ctx, targets, check: bool = True):
-        """Mean loss (CuPy scalar) without gradients: the classifier in "loss" mode never writes z back."""
+        """Mean loss (a new 0-d CuPy array) without gradients: the classifier in "loss" mode never writes z."""
         import cupy as cp
         ctx, targets = self._check_batch(ctx, targets, check)
         buf = self._buffers(ctx.shape[0])
@@ -476,7 +477,7 @@ class Model:
         return classifier(z, self.params["b2"], targets, mode="loss", losses=buf["losses"], check=False).mean()
 
     def probs(self, ctx, check: bool = True):
-        """Next-token probabilities (B, V) for each context row."""
+        """Next-token probabilities (B, V) for each context row, in a new array."""
         import cupy as cp
         ctx, _ = self._check_batch(ctx, None, check)
         x = embed_mean(self.params["emb"], ctx, check=False)
@@ -494,7 +495,7 @@ class History:
     train: list = field(default_factory=list)        # mean train loss since the previous point
     val: list = field(default_factory=list)
     val_steps: list = field(default_factory=list)    # step index of each val-loss point
-    seconds: float = 0.0                             # training time (evaluation excluded)
+    seconds: float = 0.0                             # the run's wall-clock time (host clock, evaluation excluded)
     tokens: int = 0
 
     @property
@@ -530,12 +531,13 @@ def train(model: Model, optimizer, train_data, val_data, steps: int, batch: int,
     """Batched training with a tqdm progress bar; train/val loss every `eval_every` steps.
 
     train_data / val_data: (ctx, targets) NumPy int32 arrays. Ids are range-checked once here, so the
-    steps skip the per-call check (it costs a device-to-host sync)."""
+    steps skip the per-call check (it costs a device-to-host sync). History.seconds is the run's wall-clock
+    time on the host clock, evaluation excluded: the rate of a whole run (tokens/s), not a kernel timing."""
     import cupy as cp
     from tqdm.auto import tqdm
-    for name, (c, t) in (("train_data", train_data), ("val_data", val_data)):
-        if c.size and (c.min() < 0 or c.max() >= model.V or t.min() < 0 or t.max() >= model.V):
-            raise ValueError(f"{name}: token ids must be in [0, {model.V})")
+    for name, data in (("train_data", train_data), ("val_data", val_data)):
+        for i, ids in enumerate(data):
+            expect_token_ids(ids, model.V, f"{name}[{i}]")
     vctx, vt = cp.asarray(val_data[0]), cp.asarray(val_data[1])
     hist, acc, n_acc = History(), cp.zeros((), cp.float32), 0
     bar = tqdm(total=steps, disable=not progress, desc="training", unit="step")
@@ -558,24 +560,6 @@ def train(model: Model, optimizer, train_data, val_data, steps: int, batch: int,
         bar.update(1)
     bar.close()
     hist.tokens = steps * batch
-    return hist
-
-
-def train_per_sample(model: Model, optimizer, train_data, samples: int, fused: bool = True, seed: int = 0,
-                     progress: bool = True) -> History:
-    """One sample per step (B = 1), the simplest loop. Every step still launches every kernel and GEMM."""
-    import cupy as cp
-    from tqdm.auto import tqdm
-    hist = History()
-    data = [(cp.asarray(c), cp.asarray(t)) for c, t in batches(*train_data, 1, samples, seed)]
-    acc = cp.zeros((), cp.float32)
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for c, t in tqdm(data, disable=not progress, desc="per-sample", unit="sample"):
-        acc += model.step(c, t, optimizer, fused=fused, check=False)
-    cp.cuda.Device().synchronize()
-    hist.seconds, hist.tokens = time.perf_counter() - t0, samples
-    hist.steps, hist.train = [samples], [float(acc) / samples]
     return hist
 
 

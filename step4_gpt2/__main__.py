@@ -2,6 +2,7 @@
 
     python -m step4_gpt2 "Hello, I'm a language model," --max-new-tokens 64 --temperature 0.8 --seed 0
     python -m step4_gpt2 --weights my_model "ROMEO:"          a folder with model.safetensors + config.json
+    python -m step4_gpt2 --decode megakernel "Hello"          one persistent kernel per token (lesson 4c)
 
 Without --weights, GPT-2 comes from the Hugging Face cache, or is downloaded once; offline with nothing
 cached it runs the same model with random weights and says so (the text is then gibberish). A folder
@@ -15,9 +16,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+DECODE = ("auto", "graph", "eager", "megakernel")
+
+
+class DecoderUnavailable(RuntimeError):
+    """The decoder --decode asks for cannot run here (the message says why)."""
+
+
+def decoder_for(decode: str, model, batch: int, greedy: bool) -> tuple[type | None, dict]:
+    """(decoder, options) for generate() from --decode: graph -> the course's Decoder replaying CUDA graphs;
+    eager -> the same launching every kernel; megakernel -> lesson 4c's MegakernelDecoder; auto -> the
+    megakernel where step4_gpt2.megakernel.supports(model, batch, greedy), else graph."""
+    from common import expect_choice
+    expect_choice(decode, "decode", DECODE)
+    if decode in ("graph", "eager"):
+        return None, ({} if decode == "graph" else {"cuda_graph": False})
+    try:                 # lesson 4c, imported here only: the lesson's generate() knows nothing of it
+        from step4_gpt2.megakernel import MegakernelDecoder, supports
+    except ImportError as e:
+        if decode == "megakernel":
+            raise DecoderUnavailable(f"--decode megakernel needs step4_gpt2.megakernel (MegakernelDecoder, "
+                                     f"supports), which is not available here ({e}); use --decode graph") from None
+        return None, {}
+    if decode == "megakernel" or supports(model, batch, greedy):
+        return MegakernelDecoder, {}
+    return None, {}
+
 
 def main(argv=None) -> int:
-    from step4_gpt2.generate import MODES
     p = argparse.ArgumentParser(prog="python -m step4_gpt2", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="+", help="one or more prompts (a batch)")
@@ -29,11 +55,10 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="gpt2", help="gpt2, gpt2-medium, gpt2-large or gpt2-xl")
     p.add_argument("--weights", default=None, metavar="PATH",
                    help="a folder with model.safetensors (+ config.json, + char_vocab.json), or the file itself")
-    p.add_argument("--decode", default="auto", choices=MODES,
+    p.add_argument("--decode", default="auto", choices=DECODE,
                    help="graph: replay each decode step from a CUDA graph; eager: launch every kernel; "
-                        "megakernel: one persistent kernel per step; auto: the megakernel for greedy decoding of up "
-                        "to megakernel.AUTO_MAX_BATCH sequences where it fits this GPU, else graph")
-    p.add_argument("--no-graph", action="store_true", help="the same as --decode eager")
+                        "megakernel: one persistent kernel per step (lesson 4c); auto (default): the megakernel "
+                        "where it supports this GPU, model and batch, else graph")
     args = p.parse_args(argv)
 
     from common.device import describe, require_gpu
@@ -51,14 +76,25 @@ def main(argv=None) -> int:
     cfg, params, _ = weights.load(args.model, path=args.weights, notice="stderr")
     tok = tokenizer.for_checkpoint(args.weights) if args.weights else tokenizer.BPETokenizer()
     model = GPT(cfg, params)
+    try:
+        decoder, options = decoder_for(args.decode, model, len(args.prompt), args.temperature == 0)
+    except DecoderUnavailable as e:
+        print(e, file=sys.stderr)
+        return 2
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-              mode="eager" if args.no_graph else args.decode, eos=tok.eot)     # eot None: nothing stops
-    if len(args.prompt) == 1:          # streamed as it is made
-        gen = generate_streamed(model, args.prompt[0], args.max_new_tokens, tokenizer=tok, **kw)
-    else:
-        gen = generate(model, [tok.encode(t) for t in args.prompt], args.max_new_tokens, **kw)
-        for text, new in zip(args.prompt, gen.tokens):
-            print(f"--- {text}{tok.decode([t for t in new if t != tok.eot])}")
+              eos=tok.eot, decoder=decoder, **options)          # eot None: nothing stops
+    # lesson 4c's decoder may still refuse this GPU when it is built (its constructor says why)
+    unavailable = getattr(sys.modules.get("step4_gpt2.megakernel"), "MegakernelUnavailable", ())
+    try:
+        if len(args.prompt) == 1:          # streamed as it is made
+            gen = generate_streamed(model, args.prompt[0], args.max_new_tokens, tokenizer=tok, **kw)
+        else:
+            gen = generate(model, [tok.encode(t) for t in args.prompt], args.max_new_tokens, **kw)
+            for text, new in zip(args.prompt, gen.tokens):
+                print(f"--- {text}{tok.decode([t for t in new if t != tok.eot])}")
+    except unavailable as e:
+        print(f"\n--decode {args.decode}: {e}; use --decode graph", file=sys.stderr)
+        return 2
     print(f"[{sum(map(len, gen.tokens))} tokens; prefill {gen.prefill_s * 1e3:.1f} ms; decode "
           f"{gen.tokens_per_s:,.0f} tokens/s, decode mode {gen.mode}]", file=sys.stderr)
     return 0

@@ -15,10 +15,13 @@
   launch gaps) vs each op alone inside a CUDA graph, and the whole step eager vs graph replay.
 - A/B of the decode choices: one greedy step replayed from a graph for each plan ("fused" = v5 with
   LayerNorm prologue, "split" = v4 + step 3's LayerNorm) x attention version at batch 1 and 8 and
-  3 cache lengths; and whole generate() runs with each choice switched off in turn (Decoder options).
+  3 cache lengths; and whole generate() runs with each choice switched off in turn (the lab's
+  TunedDecoder, step4_gpt2/lab/decoders.py).
 - the GEMV versions on GPT-2 124M's five decode shapes (one launch, L2 flushed, batch 1 and 8) as a
   fraction of copy bandwidth, and step 2's decode_attention v1 (one launch) vs v2 (split-K + combine)
-  at the cache sizes of the decode benchmark (the Decoder's attention_v1_max_len picks between them).
+  at the cache sizes of the decode benchmark (generate.ATTN_V1_MAX_LEN picks between them).
+
+    python -m step4_gpt2.benchmarks       # or: python -m common.benchmarks --only step4_gpt2
 """
 from __future__ import annotations
 
@@ -90,12 +93,15 @@ def hf_generate_s(hf, batch: int, n: int, prompt=PROMPT) -> float:
     return wall_s(run)
 
 
-def ours_generate_s(model, batch: int, n: int, prompt=PROMPT, **options) -> float:
+def ours_generate_s(model, batch: int, n: int, prompt=PROMPT, fresh: bool = False, **options) -> float:
     """Median seconds of generate() of n tokens for `batch` copies of prompt (ids); options go to generate
-    (mode, reuse and the Decoder's plan, attention_v1_max_len, pipeline_depth ...)."""
-    from step4_gpt2.generate import generate
+    (decoder, cuda_graph and the decoder's options). fresh: free the decoder generate() keeps on the model
+    before each call, so every call allocates its state and captures its graphs again."""
+    from step4_gpt2.generate import generate, release
 
     def run():
+        if fresh:
+            release(model)
         gen = generate(model, [list(prompt)] * batch, n, stop_at_eos=False, **options)
         assert len(gen.tokens[0]) == n
     return wall_s(run)
@@ -107,8 +113,8 @@ def decode_rows(model, hf) -> list[Row]:
     rows = []
     for batch in (1, 8):
         hf_s = hf_generate_s(hf, batch, NEW_TOKENS) if hf is not None else None
-        for mode in ("graph", "eager"):        # named: mode="auto" may pick the megakernel (AUTO_MAX_BATCH)
-            s = ours_generate_s(model, batch, NEW_TOKENS, mode=mode)
+        for mode in ("graph", "eager"):
+            s = ours_generate_s(model, batch, NEW_TOKENS, cuda_graph=mode == "graph")
             tps = batch * NEW_TOKENS / s
             label = "CUDA graph" if mode == "graph" else "eager launches"
             row = Row(f"decode b={batch} ({label})", f"124M, {NEW_TOKENS} tok",
@@ -154,6 +160,7 @@ def replay_ms(model, B: int, ctx: int, plan: str, version: int):
 def ab_rows(model) -> list[Row]:
     """Direct A/B of each decode choice: the step alone (graph replay) and whole generate() runs."""
     from step4_gpt2.generate import attention_version_for
+    from step4_gpt2.lab.decoders import TunedDecoder
     from step4_gpt2.model import plan_for
     rows = []
     for B in (1, 8):
@@ -165,14 +172,14 @@ def ab_rows(model) -> list[Row]:
                 r = Row.of(t, f"b={B}, {ctx} cached" + (" (chosen)" if chosen else ""), anchor=("best", best))
                 rows.append(r)
     variants = [("all choices on", {}),
-                ("attention v2 only", {"attention_v1_max_len": None}),
-                ("no host pipelining", {"pipeline_depth": 1}),
-                ("no graph/state reuse across calls", {"reuse": False})]
+                ("attention v2 only", {"decoder": TunedDecoder, "attention_v1_max_len": None}),
+                ("no host pipelining", {"decoder": TunedDecoder, "pipeline_depth": 1}),
+                ("no graph/state reuse across calls", {"fresh": True})]
     for B in (1, 8):
         vs = variants + [(f"plan {p}", {"plan": p}) for p in ("fused", "split")] if B == 8 else variants
         base = None
         for label, options in vs:
-            s = ours_generate_s(model, B, NEW_TOKENS, mode="graph", **options)
+            s = ours_generate_s(model, B, NEW_TOKENS, **options)
             base = base or s
             r = Row(f"A/B generate b={B}: {label}", f"124M, {NEW_TOKENS} tok", s / NEW_TOKENS * 1e3,
                     B * NEW_TOKENS / s, "tok/s")
@@ -208,12 +215,14 @@ def prefill_rows(model, hf, B: int = 8, T: int = 1024) -> list[Row]:
 
 
 def step_ops(model, s, greedy: bool = False, attention_version: int = 2, plan: str | None = None):
-    """The ops one decode step runs, in order (the names decode_step passes to its mark hook), and how many
-    kernel launches they are: one per op, except step 2's decode attention v2, which adds a combine kernel
-    when it splits the cache (decode_split_count). Runs the step once, eagerly, on state s."""
+    """The ops one decode step runs, in order (named by the lab's timeline.marked), and how many kernel
+    launches they are: one per op, except step 2's decode attention v2, which adds a combine kernel when it
+    splits the cache (decode_split_count). Runs the step once, eagerly, on state s."""
     from step4_gpt2 import ops
+    from step4_gpt2.lab.timeline import marked
     names = []
-    model.decode_step(s, greedy=greedy, mark=names.append, attention_version=attention_version, plan=plan)
+    with marked(model, names.append):
+        model.decode_step(s, greedy=greedy, attention_version=attention_version, plan=plan)
     B, H, L = s.batch, model.config.n_head, s.cache.length
     combine = attention_version == 2 and ops.decode_split_count(B, H, L)[0] > 1
     return names, len(names) + (names.count("decode attention") if combine else 0)
@@ -222,6 +231,7 @@ def step_ops(model, s, greedy: bool = False, attention_version: int = 2, plan: s
 def step_breakdown(model, ctx: int = 128, B: int = 1, attention_version: int = 2):
     """{op: (eager ms per step, in-graph ms per step)}, eager step ms, graph step ms; "fused" plan."""
     import cupy as cp
+    from step4_gpt2.lab.timeline import marked
     from step4_gpt2.ops import decode_attention, embedding, gemv, gemv_qkv
     av = attention_version
     cfg = model.config
@@ -239,7 +249,8 @@ def step_breakdown(model, ctx: int = 128, B: int = 1, attention_version: int = 2
                 e.record()
                 marks.append((name, e))
             mark("start")
-            model.decode_step(s, mark=mark, plan="fused", attention_version=av)
+            with marked(model, mark):
+                model.decode_step(s, plan="fused", attention_version=av)
             marks[-1][1].synchronize()
             acc = {}
             for (_, e0), (name, e1) in zip(marks, marks[1:]):
@@ -300,7 +311,8 @@ def gemv_rows() -> list[Row]:
     from step4_gpt2.ops import gemv
     bw = copy_bandwidth()
     variants = [("v3", dict(version=3)), ("v4", dict(version=4))]
-    variants += [(f"v5 ROWS={r} UNROLL={u}", dict(version=5, rows=r, unroll=u)) for r, u in [(1, 4), (2, 4), (4, 4), (2, 2)]]
+    variants += [(f"v5 ROWS={r} UNROLL={u}", dict(version=5, rows=r, unroll=u))
+                 for r, u in [(1, 4), (2, 4), (4, 4), (2, 2)]]
     rows = []
     for label, (N, K) in GEMV_SHAPES.items():
         W = cp.asarray(rand(N, K, seed=1))
@@ -346,6 +358,10 @@ def run() -> list[Row]:
     return rows
 
 
+def main(argv=None) -> int:
+    from common.benchmarks import module_main
+    return module_main("step4_gpt2.benchmarks", __doc__, run, argv)
+
+
 if __name__ == "__main__":
-    from common.benchmarks import table
-    print(table(run()))
+    raise SystemExit(main())

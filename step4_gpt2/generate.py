@@ -3,21 +3,19 @@
     gen = generate(model, [ids], max_new_tokens=64, temperature=0.8, top_k=40, seed=0, on_token=print)
     gen.tokens[0]          # the new token ids of prompt 0
 
-generate() checks the prompts, pads them into one batch and hands the decoding to a decoder, chosen by
-`mode`:
-- "graph": a `Decoder` that runs the first decode step eagerly (compiling and warming every kernel), then
-  captures the step in a CUDA graph (`common.capture_graph`) and replays it for every later token: all
-  the step's launches (5 per block with the "fused" plan, 7 with "split", one more per block when
+generate() checks the prompts, pads them into one batch and hands the decoding to a `Decoder`:
+- with a CUDA graph (the default): the first decode step runs eagerly (compiling and warming every
+  kernel), then the step is captured in a CUDA graph (`common.capture_graph`) and replayed for every later
+  token: all the step's launches (5 per block with the "fused" plan, 7 with "split", one more per block when
   attention v2 splits the cache; the notebook counts them) become one. One graph per attention version
   (step 2's v1 while the cache is short, v2 when long; the host knows each step's cache length and
   replays the right one). Greedy decoding keeps the choice (argmax) and the position update inside the
-  graph too, so the host queues the next steps before it reads the last one's tokens (pipeline_depth).
-- "eager": the same Decoder launching every kernel of every step (cuda_graph=False).
-- "megakernel": `step4_gpt2.megakernel.MegakernelDecoder`, one persistent kernel per step, where present.
-- "auto" (default): the megakernel where its decoder says it is preferred for this batch (and takes the
-  options given), else "graph".
-The decoder (its KV cache, buffers and graphs) is kept on the model for the next call with the same batch,
-cache length, greedy flag and options, as a server keeps its captured graphs (reuse=False: not kept).
+  graph too, so the host queues the next step before it reads the last one's tokens (PIPELINE_DEPTH).
+- eager (cuda_graph=False): the same Decoder launching every kernel of every step.
+- `decoder=`: another Decoder subclass, built with the same arguments (model, batch, cache length, greedy,
+  and the options given to generate); generate() drives it the same way.
+The decoder (its KV cache, buffers and graphs) is kept on the model for the next call with the same class,
+batch, cache length, greedy flag and options, as a server keeps its captured graphs; `release(model)` frees it.
 Prompts of different lengths share one batch: they are right-padded; causal attention never lets a real
 token see the padding, and each sequence's position (pos) and cache length (lens) live on the device.
 Sampling (temperature > 0, top-k, top-p) draws one uniform number per sequence per step from a NumPy
@@ -35,16 +33,15 @@ from common import capture_graph, expect_choice, require_gpu
 from step4_gpt2 import ops
 from step4_gpt2.tokenizer import EOT
 
-MODES = ("auto", "graph", "eager", "megakernel")
-PIPELINE_DEPTH = 2       # greedy decode steps queued ahead of the host's token read (1 = none ahead)
+PIPELINE_DEPTH = 2       # greedy decode steps queued ahead of the host's token read
 ATTN_V1_MAX_LEN = 128    # step 2's decode_attention v1 (one launch) up to this many cached rows, then v2
 
 
-def attention_version_for(rows: int, v1_max_len: int | None = ATTN_V1_MAX_LEN, version: int = 2) -> int:
+def attention_version_for(rows: int) -> int:
     """Step 2's decode_attention version for a step whose longest sequence has `rows` cache rows: v1 (one
-    launch) while the cache is short (up to v1_max_len rows; None: never), then `version` (2: split-K +
-    combine) once it is long."""
-    return 1 if v1_max_len is not None and rows <= v1_max_len else version
+    launch) while the cache is short, v2 (split-K over the cache + a combine kernel) once it is long, where
+    one block per head would leave most SMs idle."""
+    return 1 if rows <= ATTN_V1_MAX_LEN else 2
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -94,7 +91,7 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0                    # decode steps run (tokens per sequence after the first)
-    mode: str = ""                    # the decoder's mode: "graph", "eager", "megakernel" ("no cache")
+    mode: str = ""                    # the decoder's mode: "graph", "eager", or a Decoder subclass's own
     info: dict = field(default_factory=dict)
 
     @property
@@ -141,7 +138,7 @@ class Decoder:
     """Decodes one batch on the course's kernels: owns the decode state (KV cache and every buffer of a
     step, allocated once), the stream, the CUDA graphs (one per attention version) and the pipelining.
 
-    The interface generate() uses (step4_gpt2.megakernel.MegakernelDecoder subclasses it, with its own step):
+    The interface generate() uses (a subclass keeps it, with its own step):
       Decoder(model, batch, length, greedy, **options)   allocate everything: `length` cache rows per sequence
       .mode, .batch, .length, .greedy                     what it is and what it was built for
       .prefill(ids, lens, choose=None) -> np.int32 (B,)   run the prompts (ids: (B, T) int32 NumPy, right-padded;
@@ -152,32 +149,27 @@ class Decoder:
                                                           closing the iterator early waits for queued work
       .info                                               a dict for Generation.info (set by prefill)
     choose is None for greedy decoding (argmax on the device), else a function logits (B, V) CuPy -> (B,)
-    integer CuPy token ids (generate's seeded sampler). Options here: cuda_graph; plan ("fused" / "split",
-    None = model.py's plan_for(batch)); attention_version (1 or 2: the version used past
-    attention_v1_max_len cached rows; attention_v1_max_len=None: that version always); pipeline_depth
-    (greedy steps in flight).
+    integer CuPy token ids (generate's seeded sampler). Options here: cuda_graph (False: eager launches);
+    plan ("fused" / "split", None = model.py's plan_for(batch)).
     """
 
     def __init__(self, model, batch: int, length: int, greedy: bool = True, cuda_graph: bool = True,
-                 plan: str | None = None, attention_version: int = 2,
-                 attention_v1_max_len: int | None = ATTN_V1_MAX_LEN, pipeline_depth: int = PIPELINE_DEPTH):
+                 plan: str | None = None):
         require_gpu()
         from step4_gpt2.model import PLANS, plan_for
-        if not isinstance(pipeline_depth, (int, np.integer)) or pipeline_depth < 1:
-            raise ValueError(f"pipeline_depth: expected an integer >= 1, got {pipeline_depth!r}")
         self.mode = "graph" if cuda_graph else "eager"
         self.plan = expect_choice(plan or plan_for(batch), "plan", PLANS)
-        self.attention_version = expect_choice(attention_version, "attention_version", (1, 2))
-        self.attention_v1_max_len = attention_v1_max_len
         self.graphs: dict = {}        # attention version -> CUDA graph of one step
         self.warmed = False           # one eager step has run (kernels compiled, workspaces allocated)
-        self._allocate(model, batch, length, greedy, pipeline_depth)
+        self._allocate(model, batch, length, greedy)
 
-    def _allocate(self, model, batch: int, length: int, greedy: bool, pipeline_depth: int) -> None:
+    def _allocate(self, model, batch: int, length: int, greedy: bool, pipeline_depth: int = PIPELINE_DEPTH) -> None:
         """What every decoder has, whatever runs its steps: the decode state (KV cache, tokens, positions,
         logits) and the stream its work is queued on."""
         import cupy as cp
         from step4_gpt2.model import DecodeState
+        if not isinstance(pipeline_depth, (int, np.integer)) or pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth: expected an integer >= 1, got {pipeline_depth!r}")
         self.model, self.batch, self.length, self.greedy = model, int(batch), int(length), bool(greedy)
         self.pipeline_depth = int(pipeline_depth)
         self.state = DecodeState(model.config, batch, length)
@@ -190,6 +182,9 @@ class Decoder:
     def _info(self) -> dict:
         """A fresh Generation.info for the next call (its steps add the attention versions they run)."""
         return {"mode": self.mode, "plan": self.plan, "attention_versions": set()}
+
+    def _attention_version(self, rows: int) -> int:
+        return attention_version_for(rows)
 
     def prefill(self, ids, lens, choose=None) -> np.ndarray:
         import cupy as cp
@@ -241,7 +236,7 @@ class Decoder:
         which compiles and warms every kernel, then captures the graph: recorded, not run)."""
         s, m = self.state, self.model
         self._rows += 1
-        version = attention_version_for(self._rows, self.attention_v1_max_len, self.attention_version)
+        version = self._attention_version(self._rows)
         self.info["attention_versions"].add(version)
         step = lambda: m.decode_step(s, greedy=self.greedy, attention_version=version, plan=self.plan)  # noqa: E731
         graph = self.mode == "graph"
@@ -296,70 +291,37 @@ class Decoder:
             yield host
 
 
-def decoder_class(mode: str):
-    """The decoder class of a mode ("graph" and "eager": Decoder; "megakernel": MegakernelDecoder)."""
-    expect_choice(mode, "mode", MODES[1:])
-    if mode != "megakernel":
-        return Decoder
-    try:
-        from step4_gpt2.megakernel import MegakernelDecoder
-    except ImportError as e:
-        raise NotImplementedError(f"mode='megakernel' needs step4_gpt2.megakernel.MegakernelDecoder, which is not "
-                                  f"available here ({e}); use mode='graph' or mode='eager'") from None
-    return MegakernelDecoder
-
-
-def choose_mode(model, mode: str, batch: int, length: int, greedy: bool, cuda_graph: bool = True,
-                options: dict | None = None) -> str:
-    """The concrete mode of a call: "auto" is the megakernel where MegakernelDecoder.preferred(model, batch,
-    length, greedy) says so and it takes every option given, else "graph" ("eager" with cuda_graph=False)."""
-    import inspect
-    expect_choice(mode, "mode", MODES)
-    if not cuda_graph and mode not in ("auto", "eager"):
-        raise ValueError(f"cuda_graph: False asks for eager launches, but mode={mode!r}; pass one of them")
-    if mode != "auto":
-        return mode
-    if not cuda_graph:
-        return "eager"
-    try:
-        from step4_gpt2.megakernel import MegakernelDecoder
-    except ImportError:
-        return "graph"
-    params = inspect.signature(MegakernelDecoder).parameters
-    takes = set(options or ()) <= set(params) or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    preferred = getattr(MegakernelDecoder, "preferred", None)
-    return "megakernel" if takes and preferred is not None and preferred(model, batch, length, greedy) else "graph"
-
-
-def make_decoder(model, mode: str, batch: int, length: int, greedy: bool, reuse: bool = True, **options):
-    """A decoder for this call: the one kept on the model when it was built for the same mode, batch, cache
-    length, greedy flag and options, else a new one (kept for the next call when reuse)."""
-    key = (mode, batch, length, greedy, tuple(sorted(options.items())))
+def make_decoder(model, decoder: type | None, batch: int, length: int, greedy: bool, **options) -> Decoder:
+    """The decoder for a call: the one kept on the model when it was built by the same class with the same
+    batch, cache length, greedy flag and options, else a new one, kept for the next call. decoder: a Decoder
+    subclass, or None for Decoder itself."""
+    cls = Decoder if decoder is None else decoder
+    if not (isinstance(cls, type) and issubclass(cls, Decoder)):
+        raise TypeError(f"decoder: expected None or a subclass of step4_gpt2.generate.Decoder, got {decoder!r}")
+    key = (cls, batch, length, greedy, tuple(sorted(options.items())))
     kept = getattr(model, "_kept_decoder", None)
-    if kept is not None and kept[0] == key and reuse:
+    if kept is not None and kept[0] == key:
         return kept[1]
-    model._kept_decoder = kept = None            # free the old cache and graphs before allocating
-    cls = decoder_class(mode)
-    if mode in ("graph", "eager"):
-        options = {**options, "cuda_graph": mode == "graph"}
+    release(model)                               # free the old cache and graphs before allocating
     dec = cls(model, batch, length, greedy, **options)
-    if reuse:
-        model._kept_decoder = (key, dec)
+    model._kept_decoder = (key, dec)
     return dec
 
 
+def release(model) -> None:
+    """Free the decoder generate() keeps on the model (its KV cache, buffers and graphs)."""
+    model._kept_decoder = None
+
+
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = 0, stop_at_eos: bool = True, kv_cache: bool = True,
-             cuda_graph: bool = True, on_token=None, eos: int | None = EOT, mode: str = "auto", reuse: bool = True,
-             decoder=None, **decoder_options) -> Generation:
+             top_p: float | None = None, seed: int | None = 0, stop_at_eos: bool = True, eos: int | None = EOT,
+             on_token=None, decoder: type | None = None, **decoder_options) -> Generation:
     """New tokens for a batch of prompts (lists of ids, or strings). on_token(b, id) is called as each
     token is made (streaming). temperature=0 is greedy. stop_at_eos: a sequence stops at its first `eos`
     (None: a vocabulary without an end-of-text token; nothing stops). Raises ValueError if a prompt plus the
     new tokens would not fit the context (block_size).
-    mode: "auto", "graph", "eager" or "megakernel" (cuda_graph=False is "eager"); decoder_options go to the
-    decoder (Decoder: plan, attention_version, attention_v1_max_len, pipeline_depth); reuse: keep the
-    decoder on the model for the next call; decoder: one the caller made and keeps (built for this batch,
-    cache length and greedy flag). kv_cache=False recomputes the whole sequence for every token."""
+    decoder: None for the course's Decoder, or a Decoder subclass; decoder_options go to its constructor
+    (Decoder: cuda_graph=False for eager launches, plan)."""
     check_sampling(temperature, top_k, top_p)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
@@ -391,73 +353,32 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
                 done[b] = True
         return all(done)
 
-    if not kv_cache:
-        return _generate_without_cache(model, prompts, max_new_tokens, choose, record, gen)
-    length = max(lens) + max_new_tokens - 1
-    if decoder is None:
-        mode = choose_mode(model, mode, B, length, greedy, cuda_graph, decoder_options)
-        decoder = make_decoder(model, mode, B, length, greedy, reuse, **decoder_options)
-    elif (decoder.batch, decoder.length, decoder.greedy) != (B, length, greedy):
-        raise ValueError(f"decoder: built for batch {decoder.batch}, {decoder.length} cache rows, greedy="
-                         f"{decoder.greedy}; this call needs {B}, {length}, greedy={greedy}")
-    gen.mode = decoder.mode
+    dec = make_decoder(model, decoder, B, max(lens) + max_new_tokens - 1, greedy, **decoder_options)
+    gen.mode = dec.mode
     t0 = time.perf_counter()
-    first = decoder.prefill(padded, lens, choose)
+    first = dec.prefill(padded, lens, choose)
     gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
     if not record(first) and max_new_tokens > 1:          # the prefill made the first token
-        with contextlib.closing(decoder.decode(max_new_tokens - 1, choose)) as steps:
+        with contextlib.closing(dec.decode(max_new_tokens - 1, choose)) as steps:
             for host in steps:
                 gen.steps += 1
                 if record(host):
                     break
     gen.decode_s = time.perf_counter() - t0
-    gen.info.update(decoder.info)
+    gen.info.update(dec.info)
     return gen
 
 
-def _generate_without_cache(model, prompts, max_new_tokens, choose, record, gen) -> Generation:
-    """Every token from a full forward pass over the whole sequence so far (the baseline a KV cache beats)."""
-    import cupy as cp
-    seqs = [list(p) for p in prompts]
-    tokens = cp.zeros(len(seqs), cp.int32)
-    gen.mode = "no cache"
-    t0 = time.perf_counter()
-    for step in range(max_new_tokens):
-        logits = model.forward(pad_prompts(seqs), last=np.array([len(s) - 1 for s in seqs]))
-        host = (ops.argmax(logits, tokens) if choose is None else choose(logits)).get()
-        if step == 0:
-            gen.prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
-        for s, t in zip(seqs, host):
-            s.append(int(t))
-        if record(host) or step == max_new_tokens - 1:
-            break
-        gen.steps += 1
-    gen.decode_s = time.perf_counter() - t0
-    return gen
-
-
-def generate_streamed(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, tokenizer=None,
-                      **kw) -> Generation:
+def generate_streamed(model, prompt: str, max_new_tokens: int = 64, tokenizer=None, **kw) -> Generation:
     """generate() for one text prompt, printing the prompt and then the text as it is made (whole
     characters only; the end-of-text token is not printed). tokenizer: GPT-2's BPE by default, or the one
-    of a checkpoint (tokenizer.for_checkpoint). Returns the Generation (its timings)."""
+    of a checkpoint (tokenizer.for_checkpoint). Returns the Generation (its tokens and timings)."""
     from step4_gpt2.tokenizer import BPETokenizer, TextStream
     tok = tokenizer or BPETokenizer()
     printer = TextStream(tokenizer=tok)
-    if stream_print:
-        print(prompt, end="", flush=True)
-    on_token = (lambda b, t: printer(t) if t != tok.eot else None) if stream_print else None
+    print(prompt, end="", flush=True)
     kw.setdefault("eos", tok.eot)               # None (a character vocabulary): nothing stops the text
-    gen = generate(model, [tok.encode(prompt)], max_new_tokens, on_token=on_token, **kw)
-    if stream_print:
-        print()
+    gen = generate(model, [tok.encode(prompt)], max_new_tokens,
+                   on_token=lambda b, t: printer(t) if t != tok.eot else None, **kw)
+    print()
     return gen
-
-
-def generate_text(model, prompt: str, max_new_tokens: int = 64, stream_print: bool = True, tokenizer=None,
-                  **kw) -> str:
-    """Generate from one text prompt, printing the text as it is made; returns prompt + continuation."""
-    from step4_gpt2.tokenizer import BPETokenizer
-    tok = tokenizer or BPETokenizer()
-    gen = generate_streamed(model, prompt, max_new_tokens, stream_print, tokenizer=tok, **kw)
-    return prompt + tok.decode([t for t in gen.tokens[0] if t != tok.eot])

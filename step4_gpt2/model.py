@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import expect_array, expect_choice, require_gpu
+from common import expect_choice, expect_token_ids, require_gpu
 from step4_gpt2 import ops
 from step4_gpt2.weights import GPTConfig   # n_layer, n_head, n_embd, vocab_size, block_size  # noqa: F401
 
@@ -132,25 +132,19 @@ class GPT:
         return self.h[i + 1].ln_1 if i + 1 < len(self.h) else self.ln_f
 
     def check_tokens(self, idx, name: str = "idx"):
-        """(B, T) int32 token ids on the GPU, in range; T between 1 and block_size."""
+        """(B, T) int32 token ids on the GPU, in range (common.expect_token_ids); T between 1 and block_size."""
         import cupy as cp
-        if isinstance(idx, np.ndarray) or isinstance(idx, (list, tuple)):
-            idx = cp.asarray(np.asarray(idx))
-        idx = expect_array(idx, name, contiguous=False)
+        idx = expect_token_ids(idx, self.config.vocab_size, name)
         if idx.ndim == 1:
             idx = idx[None]
-        if idx.ndim != 2 or idx.dtype.kind not in "iu":
-            raise ValueError(f"{name}: expected integer token ids of shape (B, T), got {idx.dtype} {idx.shape}")
+        if idx.ndim != 2:
+            raise ValueError(f"{name}: expected token ids of shape (B, T), got shape {idx.shape}")
         B, T = idx.shape
         if T == 0 or B == 0:
             raise ValueError(f"{name}: empty prompt (shape {idx.shape}); give at least one token per sequence")
         if T > self.config.block_size:
             raise ValueError(f"{name}: {T} tokens exceed the context length block_size={self.config.block_size}")
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name}: token id {bad} is out of range [0, {self.config.vocab_size})")
-        return cp.ascontiguousarray(idx, dtype=cp.int32)
+        return cp.ascontiguousarray(cp.asarray(idx), dtype=cp.int32)
 
     @staticmethod
     def _check_last(last, B: int, T: int):
@@ -199,60 +193,44 @@ class GPT:
         return ops.gemv(cp.ascontiguousarray(rows), self.wte)
 
     # ------------------------------------------------------------------ decode: one token per sequence
-    def decode_step(self, s: DecodeState, greedy: bool = False, mark=None, attention_version: int = 2,
+    def decode_step(self, s: DecodeState, greedy: bool = False, attention_version: int = 2,
                     plan: str | None = None):
         """Logits for s.tokens at positions s.pos into s.logits, k/v appended to the cache at s.pos.
         greedy: also s.tokens = argmax and pos, lens += 1, on the device. No allocation, no host sync:
-        capturable. `mark(name)` (optional) is called after each op, for the per-kernel breakdown.
-        s.x is the residual stream. attention_version: step 2's decode_attention version (1: one launch,
-        2: split-K over the cache + a combine kernel); plan: "fused" / "split" (default plan_for(batch))."""
+        capturable. s.x is the residual stream. attention_version: step 2's decode_attention version
+        (1: one launch, 2: split-K over the cache + a combine kernel); plan: "fused" / "split" (default
+        plan_for(batch))."""
         cfg = self.config
         B, H, D, eps = s.batch, cfg.n_head, cfg.head_dim, cfg.eps
         fused = expect_choice(plan or plan_for(B), "plan", PLANS) == "fused"
-        mark = mark or (lambda name: None)
         ops.embedding(s.tokens, s.pos, self.wte, self.wpe, s.x)
-        mark("embedding")
         if not fused:
             ops.layernorm(s.x, *self.h[0].ln_1, eps=eps, out=s.a)
-            mark("ln_1 (step 3)")
         for i, blk in enumerate(self.h):
             if fused:
                 ops.gemv_qkv(s.x, blk.c_attn, blk.c_attn_b, s.q, s.cache.k[i], s.cache.v[i], s.pos, ln=blk.ln_1,
                              eps=eps)
             else:
                 ops.gemv_qkv(s.a, blk.c_attn, blk.c_attn_b, s.q, s.cache.k[i], s.cache.v[i], s.pos, version=4)
-            mark("ln_1 + qkv GEMV + KV append" if fused else "qkv GEMV + KV append")
             ops.decode_attention(s.q.reshape(B, H, D), s.cache.k[i], s.cache.v[i], s.lens,
                                  out=s.att.reshape(B, H, D), version=attention_version)
-            mark("decode attention")
             if fused:
                 ops.gemv(s.att, blk.c_proj, blk.c_proj_b, out=s.x, residual=True)
-                mark("attn proj GEMV + residual")
                 ops.gemv(s.x, blk.c_fc, blk.c_fc_b, out=s.h, gelu=True, ln=blk.ln_2, eps=eps)
-                mark("ln_2 + fc GEMV + GELU")
                 ops.gemv(s.h, blk.mlp_proj, blk.mlp_proj_b, out=s.x, residual=True)
-                mark("mlp proj GEMV + residual")
             else:
                 ops.gemv(s.att, blk.c_proj, out=s.y, version=4)
-                mark("attn proj GEMV")
                 ops.residual_layernorm(s.x, s.y, blk.c_proj_b, *blk.ln_2, eps=eps, out_residual=s.x, out_ln=s.a)
-                mark("bias + residual + ln_2 (step 3)")
                 ops.gemv(s.a, blk.c_fc, blk.c_fc_b, out=s.h, gelu=True, version=4)
-                mark("fc GEMV + GELU")
                 ops.gemv(s.h, blk.mlp_proj, out=s.y, version=4)
-                mark("mlp proj GEMV")
                 ops.residual_layernorm(s.x, s.y, blk.mlp_proj_b, *self._ln_after(i), eps=eps,
                                        out_residual=s.x, out_ln=s.a)
-                mark("bias + residual + next LayerNorm (step 3)")
         if fused:
             ops.gemv(s.x, self.wte, out=s.logits, ln=self.ln_f, eps=eps)
-            mark("ln_f + LM head GEMV")
         else:                      # a = ln_f(x) already; v5 beats v4 on the LM head at batch 8
             ops.gemv(s.a, self.wte, out=s.logits)
-            mark("LM head GEMV")
         if greedy:
             ops.argmax(s.logits, s.tokens, s.pos, s.lens)
-            mark("argmax")
         return s.logits
 
 

@@ -22,7 +22,7 @@ The two ops meant for this are `bias_gelu(h, b)` (prefill; must update h (N, C) 
 and `gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps=1e-5, residual=False)` (every
 matrix product of a decode step; a replacement may handle the plain cases and hand the fused ones, ln= and
 residual=, to the original). A CUDA graph replays the kernels it captured: decode with
-`generate(..., mode="eager")` (or a fresh Decoder) while an op is swapped.
+`generate(..., cuda_graph=False)` (or a fresh Decoder) while an op is swapped.
 
 Every wrapper checks its arguments and returns CuPy arrays; with its output buffers given, a wrapper
 allocates nothing and never synchronises with the host, so a decode step can be captured in a CUDA graph.

@@ -76,18 +76,10 @@ def encode(text: str) -> list[int]:
 
 
 def check_ids(ids, n_vocab: int, name: str = "ids") -> list[int]:
-    """ids as a list of Python ints, each an integer in [0, n_vocab): a TypeError naming a non-integer
-    (3.7, "5", None) and a ValueError naming an id out of range, with its position."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise TypeError(f"{name}: expected a sequence of integer token ids, got {type(ids).__name__}")
-    out = []
-    for i, t in enumerate(ids.tolist() if hasattr(ids, "tolist") else ids):
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise TypeError(f"{name}[{i}]: token ids are integers, got {t!r} ({type(t).__name__})")
-        if not 0 <= t < n_vocab:
-            raise ValueError(f"{name}[{i}]: token id {t} is out of range [0, {n_vocab})")
-        out.append(t)
-    return out
+    """ids as a list of Python ints, each in [0, n_vocab) (common.expect_token_ids: a TypeError naming a
+    non-integer such as 3.7, "5" or None, a ValueError naming an id out of range, with its position)."""
+    from common import expect_token_ids
+    return expect_token_ids(ids, n_vocab, name, ndim=1).tolist()
 
 
 def decode(ids) -> str:

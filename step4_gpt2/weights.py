@@ -17,7 +17,8 @@ Everything here is NumPy: no GPU needed.
     cfg, params, _ = load(path="my_model")         # a folder with model.safetensors (+ config.json), or
                                                    # the .safetensors file itself (a checkpoint of 04b)
 Downloads go through huggingface_hub, so its settings apply: HF_HUB_OFFLINE=1 (cache only), HF_HOME /
-HF_HUB_CACHE (where the cache is), HTTPS_PROXY (proxies).
+HF_HUB_CACHE (where the cache is), HTTPS_PROXY (proxies). Before downloading, `online()` checks within 2 s
+that the hub (or the proxy) answers at all, so a machine without a network falls back at once.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ HF_REPO = "openai-community/gpt2"     # gpt2-medium / -large / -xl load the same
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CONFIG_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")     # config.json keys GPTConfig needs
+PROBE_TIMEOUT_S = 2.0            # online(): seconds to wait for a connection to the hub
 GIBBERISH = ("NOTICE: using RANDOM weights (no download). The model runs exactly like GPT-2 - same shapes, "
              "same FLOPs, same bytes - but the text it writes will be gibberish.")
 
@@ -277,16 +279,54 @@ def download(repo: str = HF_REPO, filename: str = WEIGHTS_FILE, cache_dir=None) 
     return path
 
 
-def online() -> bool:
-    """False when HF_HUB_OFFLINE is set (now, or when huggingface_hub was imported): then only the cache is
-    used. True otherwise; a download that cannot reach the hub fails by itself and load() falls back."""
+def _offline_set() -> bool:
+    """HF_HUB_OFFLINE is set (now, or when huggingface_hub was imported): the cache only, by request."""
     if os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() not in ("0", "", "false", "no", "off"):
-        return False
+        return True
     try:
         from huggingface_hub import constants
     except ImportError:
-        return True
-    return not constants.HF_HUB_OFFLINE
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_address() -> tuple[str, int]:
+    """(host, port) a download connects to first: the HTTPS proxy when one is set for the hub, else the hub
+    (huggingface_hub's endpoint, HF_ENDPOINT)."""
+    import urllib.parse
+    import urllib.request
+    try:
+        from huggingface_hub import constants
+        endpoint = constants.ENDPOINT
+    except ImportError:
+        endpoint = "https://huggingface.co"
+    hub = urllib.parse.urlsplit(endpoint)
+    proxy = urllib.request.getproxies().get("https")
+    url = urllib.parse.urlsplit(proxy) if proxy and not urllib.request.proxy_bypass(hub.hostname) else hub
+    return url.hostname, url.port or (80 if url.scheme == "http" else 443)
+
+
+def online(timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a download can start: False when HF_HUB_OFFLINE is set, or when no connection to the hub (or
+    its proxy) opens within `timeout` seconds. huggingface_hub itself retries an unreachable hub for about
+    25 s before it gives up; this probe answers within the timeout, whatever the DNS or the network do."""
+    if _offline_set():
+        return False
+    import socket
+    import threading
+    opened = []
+
+    def probe():
+        try:
+            socket.create_connection(hub_address(), timeout=timeout).close()
+            opened.append(True)
+        except OSError:               # no DNS, no route, refused, timed out
+            pass
+    # a thread, because name resolution ignores the socket timeout and may hang for long on a dead network
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    return bool(opened)
 
 
 def random_weights(cfg: GPTConfig, seed: int = 0, notice: bool | str = True) -> dict:
@@ -324,7 +364,7 @@ def save(params: dict, cfg: GPTConfig, directory) -> Path:
 def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0,
          notice: bool | str = True, cache_dir=None) -> tuple[GPTConfig, dict, bool]:
     """(config, params, is_random): `path` (a folder with model.safetensors [+ config.json], or the file) if
-    given; else GPT-2 size `name` from the Hugging Face cache, else downloaded (unless HF_HUB_OFFLINE), else
+    given; else GPT-2 size `name` from the Hugging Face cache, else downloaded (when online()), else
     random weights with the gibberish notice, printed once, here (to stdout, or stderr with
     notice="stderr", as the messages about the failed download; notice=False prints nothing)."""
     out = sys.stderr if notice == "stderr" else sys.stdout
@@ -339,17 +379,19 @@ def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0
     if online():
         try:
             return (*load_file(download(repo, cache_dir=cache_dir), cfg), False)
-        except Exception as e:           # no route, proxy refused, hub error, a bad file: say which, fall back
+        except Exception as e:           # proxy refused, hub error, a bad file: say which, fall back
             if not allow_random:
                 raise
             if notice:
                 print(f"download of {repo} failed ({type(e).__name__}: {e})", file=out)
-    elif not allow_random:
-        raise RuntimeError(f"HF_HUB_OFFLINE is set and {repo} is not in the Hugging Face cache: cannot load "
-                           f"it; pass path= to a local {WEIGHTS_FILE} (or a folder holding one)")
-    elif notice:
-        print(f"offline (HF_HUB_OFFLINE is set) and {repo} is not in the Hugging Face cache: not downloading",
-              file=out)
+    else:
+        why = ("HF_HUB_OFFLINE is set" if _offline_set() else
+               f"no connection to {':'.join(map(str, hub_address()))} within {PROBE_TIMEOUT_S:g} s")
+        if not allow_random:
+            raise RuntimeError(f"offline ({why}) and {repo} is not in the Hugging Face cache: cannot load it; "
+                               f"pass path= to a local {WEIGHTS_FILE} (or a folder holding one)")
+        if notice:
+            print(f"offline ({why}) and {repo} is not in the Hugging Face cache: not downloading", file=out)
     return cfg, random_weights(cfg, seed, notice=notice), True
 
 
@@ -360,5 +402,6 @@ def summary(cfg: GPTConfig) -> str:
 
 
 __all__ = ["GPTConfig", "WeightFileError", "expected_shapes", "normalize", "infer_config", "validate",
-           "weights_path", "read_tensors", "load_file", "repo_for", "cached", "download", "online", "random_weights",
+           "weights_path", "read_tensors", "load_file", "repo_for", "cached", "download", "online", "hub_address",
+           "random_weights",
            "save", "load", "summary"]

@@ -4,7 +4,7 @@
     python tests/sanitize.py tests/test_step1.py              # one file
     python tests/sanitize.py --tool racecheck tests/test_step2_flash.py
 
-Exits non-zero if the sanitizer reports any error. Needs a GPU and compute-sanitizer, which needs no CUDA
+Exits non-zero if the sanitizer reports any error; without a GPU it says so in one line and exits 2. Needs a GPU and compute-sanitizer, which needs no CUDA
 toolkit: requirements-dev.txt installs it from PyPI (the `nvidia-cuda-sanitizer-api-cu12` wheel, 9 MB), and a
 toolkit's copy (<cuda>/bin) is used when it is on PATH. See docs/debugging.md.
 """
@@ -45,6 +45,13 @@ def main() -> int:
     p.add_argument("--tool", action="append", choices=["memcheck", "racecheck", "initcheck", "synccheck"])
     p.add_argument("tests", nargs="*", default=["tests"])
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT))          # run as a script: the course may not be installed in this Python
+    from common.device import require_gpu
+    try:
+        require_gpu()
+    except RuntimeError as e:              # no GPU: nothing was sanitized, so no verdict on errors either
+        print(e, file=sys.stderr)
+        return 2
     sanitizer = find_sanitizer()
     failed = []
     for tool in args.tool or ["memcheck", "racecheck"]:

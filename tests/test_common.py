@@ -252,7 +252,7 @@ def test_a_library_calls_workspace_memsets_move_off_the_graphs_path():
     import ctypes
     import cupy as cp
     from common import capture_graph
-    from common.graphs import CapturedGraph, _MemsetParams, _call, _nodes, cublas_call
+    from common.graphs import CapturedGraph, _MemsetParams, _call, _nodes, cublas_call, record_graph
     ws, other = cp.empty(64, cp.int32), cp.empty(64, cp.int32)
     add_ws = cp.ElementwiseKernel("float32 x, raw int32 ws", "float32 y", "y = x + ws[0] + ws[63] + 1.0f",
                                   "add_ws")
@@ -292,7 +292,7 @@ def test_a_library_calls_workspace_memsets_move_off_the_graphs_path():
         body()
     stream.synchronize()
     for hoist in (True, False):
-        g = capture_graph(body, stream, hoist_memsets=hoist)
+        g = capture_graph(body, stream) if hoist else record_graph(body, stream)[0]
         assert isinstance(g, CapturedGraph) == hoist
         m = memsets(g._graph.graph if hoist else g.graph)
         first = m[ws.data.ptr, ws.nbytes]                    # each call's first node
@@ -395,6 +395,84 @@ def test_old_driver_message_gives_both_versions_and_what_to_do():
     assert "supports CUDA 11.8" in msg and "needs CUDA 12.9" in msg and "525 or newer" in msg
 
 
+
+# --- in a notebook without a GPU: after the course's message, no misleading "driver version is insufficient" ---
+
+class _FakeShell:
+    """What notebook_cuda_error uses of IPython's shell, recording what it was asked to show."""
+    def __init__(self):
+        self.shown, self.custom_exceptions = [], ()
+
+    def showtraceback(self, exc_tuple=None, tb_offset=None):
+        self.shown.append(("traceback", exc_tuple[0], str(exc_tuple[1])))
+
+    def _showtraceback(self, etype, evalue, stb):
+        self.shown.append(("lines", etype, stb))
+
+    def set_custom_exc(self, exc_tuple, handler):
+        self.custom_exceptions, self.handler = exc_tuple, handler
+
+
+def test_notebook_cuda_error_handler_says_the_course_line_only_without_a_gpu(monkeypatch):
+    """Called directly with the CuPy error a driverless machine raises (cudaErrorInsufficientDriver, made here
+    by CuPy itself): the one line without a GPU; the untouched traceback where a GPU works (a real error)."""
+    pytest.importorskip("cupy")
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+    import common.device as dev
+    err = CUDARuntimeError(35)
+    assert "insufficient" in str(err)
+    monkeypatch.setattr(dev, "skip_reason", lambda: "no NVIDIA driver found (libcuda could not be loaded)")
+    shell = _FakeShell()
+    assert dev.notebook_cuda_error(shell, type(err), err, None) is None
+    [(kind, etype, lines)] = shell.shown
+    assert kind == "lines" and etype is RuntimeError and len(lines) == 1
+    assert lines[0].startswith("This needs an NVIDIA GPU with a working driver: no NVIDIA driver found")
+    assert "insufficient" not in lines[0] and "docs/environment.md" in lines[0]
+    monkeypatch.setattr(dev, "skip_reason", lambda: None)
+    shell = _FakeShell()
+    dev.notebook_cuda_error(shell, type(err), err, None)
+    assert shell.shown == [("traceback", type(err), str(err))]
+
+
+def test_notebook_handler_is_installed_only_inside_ipython_and_keeps_a_shells_own(monkeypatch):
+    import sys
+    import types
+    import common.device as dev
+    pytest.importorskip("cupy")
+    shell = _FakeShell()
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
+    assert dev.install_notebook_handler() is False                    # IPython imported, but not running
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    assert dev.install_notebook_handler() is True
+    assert shell.handler is dev.notebook_cuda_error and all(issubclass(e, Exception) for e in shell.custom_exceptions)
+    own = _FakeShell(); own.custom_exceptions = (KeyError,)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: own))
+    assert dev.install_notebook_handler() is False and own.custom_exceptions == (KeyError,)
+
+
+@pytest.mark.skipif(_driver_loadable(), reason="this machine has an NVIDIA driver; checked where libcuda cannot "
+                                                "be loaded (CI)")
+def test_a_notebook_cell_without_a_driver_shows_the_course_line_not_cupys():
+    """Real, in a fresh IPython shell as a notebook runs one: after `import common` (a notebook's first cell), a
+    later cell's CuPy call fails with the course's one line and no traceback; other errors keep theirs."""
+    pytest.importorskip("IPython")
+    import subprocess
+    import sys
+    from common.kernels import ROOT
+    code = ("from IPython.core.interactiveshell import InteractiveShell\n"
+            "sh = InteractiveShell.instance()\n"
+            "assert sh.run_cell('import common, cupy as cp').success\n"
+            "print('cell 2 failed:', not sh.run_cell('x = cp.zeros(3)').success)\n"
+            "sh.run_cell('1 / 0')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "cell 2 failed: True" in out
+    assert "This needs an NVIDIA GPU with a working driver: no NVIDIA driver found" in out
+    assert "insufficient" not in out and "CUDARuntimeError" not in out
+    assert "ZeroDivisionError" in out                                 # not a CUDA error: shown as usual
+
+
 # --- python -m common.benchmarks: names are checked before any GPU work -------------------------------------
 
 def _benchmarks(*args):
@@ -453,3 +531,139 @@ def test_benchmark_table_prints_measured_values_not_verdicts():
     assert "2.00x ref" in text and "50.0% copy bw" in text
     assert "target" not in text and "met" not in text and "MISSED" not in text
     assert row.record()["target"] == "ratio >= 3" and "met" not in row.record()
+
+
+# --- the course's modules: each imports alone, no import cycle, the reading path imports nothing from a lab --
+
+def _course_modules() -> dict:
+    """{dotted name: file} of every Python module of the course: common (with common.reference) and every step
+    package, its subpackages and lab/ folders included; discovered from the tree, so moved modules count."""
+    from common.kernels import ROOT
+    tops = [ROOT / "common", *sorted(p for p in ROOT.glob("step*") if (p / "__init__.py").is_file())]
+    mods = {}
+    for top in tops:
+        for f in sorted(top.rglob("*.py")):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            if any(not p.isidentifier() for p in parts):      # .ipynb_checkpoints and the like
+                continue
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return mods
+
+
+def _imports(name: str, path, mods: dict) -> set:
+    """The course modules `name` imports anywhere in its file (at the top or inside a function: a cycle through
+    an import inside a function still ties the two modules together). `from p import x` counts as importing
+    the module p.x when there is one, else p itself (x is then a name p's __init__ defines)."""
+    import ast
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            for a in node.names:
+                found.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod)
+    out = set()
+    for m in found:
+        while m and m not in mods:          # `import step1_simple.ops as x` and friends: the module itself
+            m = m.rpartition(".")[0]
+        if m and m != name:
+            out.add(m)
+    return out
+
+
+def _cycles(graph: dict) -> list:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on, stack, comps, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]; counter[0] += 1
+        stack.append(root); on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1
+                    stack.append(w); on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop(); on.discard(w); comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    comps.append(sorted(comp))
+    return comps
+
+
+def test_course_modules_are_discovered():
+    mods = _course_modules()
+    for name in ("common", "common.device", "common.kernels", "common.reference", "step1_simple.ops",
+                 "step2_attention.flash"):
+        assert name in mods, name
+    assert not any("checkpoint" in m for m in mods)
+
+
+def test_no_import_cycles_among_the_course_modules():
+    mods = _course_modules()
+    graph = {m: _imports(m, f, mods) for m, f in mods.items()}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]   # the finder finds
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (each list imports itself through the others, counting imports inside " \
+                       "functions): " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _reading_path(module: str) -> bool:
+    """A module a notebook may teach from: not in a lab/ folder, not a benchmark module."""
+    parts = module.split(".")
+    return "lab" not in parts and not parts[-1].startswith("benchmarks")
+
+
+def test_the_reading_path_imports_nothing_from_a_lab():
+    mods = _course_modules()
+    labs = [m for m in mods if "lab" in m.split(".")]
+    bad = {m: sorted(i for i in _imports(m, f, mods) if i in labs) for m, f in mods.items() if _reading_path(m)}
+    bad = {m: i for m, i in bad.items() if i}
+    assert not bad, f"reading-path modules that import from a lab/ package (move the experiment to the lab, " \
+                    f"or have the lab wrap the mainline): {bad}"
+    assert _reading_path("step1_simple.ops") and not _reading_path("step1_simple.lab.tuning")
+    assert not _reading_path("step4_gpt2.train.benchmarks")
+
+
+def test_every_course_module_imports_alone_in_a_fresh_interpreter():
+    """Each module first, in its own interpreter: an import cycle or a dangling import after a move fails here
+    with Python's own message, whatever module happened to be imported before it elsewhere. No GPU needed:
+    importing the course never touches CUDA (`__main__` modules are entry points: running them is not an
+    import; tests/test_entry_points.py runs them)."""
+    import os
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from common.kernels import ROOT
+    names = [m for m in _course_modules() if m.rpartition(".")[2] != "__main__"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+    def load(m):
+        r = subprocess.run([sys.executable, "-c", f"import {m}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+        return m, r.returncode, r.stderr.strip().splitlines()[-1:]
+
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        failed = {m: err for m, rc, err in pool.map(load, names) if rc}
+    assert not failed, f"modules that do not import on their own: {failed}"

@@ -59,6 +59,11 @@ def test_pyproject_installs_the_requirements_and_every_package():
     assert {"common", "common.reference", *steps} <= packages, packages
     assert not any(p.startswith(("tests", "docs")) or "__pycache__" in p for p in packages), packages
     assert "*.cu" in project["tool"]["setuptools"]["package-data"]["*"]
+    # every folder of a step that holds Python or CUDA (subpackages such as step4_gpt2/train/, lab/ folders,
+    # exercises/) is a package, so its .py and .cu files ship
+    folders = {".".join(d.relative_to(ROOT).parts) for p in ROOT.glob("step*/**/*") if p.suffix in (".py", ".cu", ".cuh")
+               for d in [p.parent] if not {"__pycache__", ".ipynb_checkpoints"} & set(d.parts)}
+    assert folders <= packages, f"folders that would not ship: {sorted(folders - packages)}"
 
 
 def _installed() -> bool:

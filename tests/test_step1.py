@@ -8,6 +8,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from step1_simple import ops  # noqa: E402
+from step1_simple.lab import tuning  # noqa: E402
 
 SIZES = [1, 3, 4, 5, 31, 1000, 2 ** 20 + 7, 2 ** 24 + 3]
 
@@ -17,7 +18,7 @@ def gpu_rand(n, seed, low=-1.0, high=1.0):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", ops.VERSIONS)
+@pytest.mark.parametrize("version", ops.AXPB_VERSIONS)
 @pytest.mark.parametrize("n", SIZES[:6])
 def test_axpb_small(version, n):
     x = gpu_rand(n, seed=n + version)
@@ -26,7 +27,7 @@ def test_axpb_small(version, n):
     assert_close(y, R.axpb(x, 1.7, -0.3), rtol=1e-6, name=f"axpb_v{version} n={n}")
 
 
-@pytest.mark.parametrize("version", ops.VERSIONS)
+@pytest.mark.parametrize("version", ops.AXPB_VERSIONS)
 @pytest.mark.parametrize("n", SIZES[6:])
 def test_axpb_large(version, n):
     x = gpu_rand(n, seed=n + version)
@@ -123,10 +124,25 @@ def test_sum_2_to_the_28(version):
 
 
 @pytest.mark.parametrize("block", [64, 1024])
-def test_sum_block_sizes_and_unaligned(block):
+def test_lab_sum_block_sizes_and_unaligned(block):
+    """The lab's sweep (step1_simple/lab/tuning.py): other block sizes than ops.total's."""
     base = gpu_rand(5003, seed=block, low=0.5, high=1.5)
     for off in range(4):
-        assert_close(ops.total(base[off:], block=block), R.sum(base[off:]), rtol=1e-6)
+        assert_close(tuning.total(base[off:], block=block), R.sum(base[off:]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("unroll", tuning.UNROLLS)
+@pytest.mark.parametrize("grid", [1, 7, None])
+def test_lab_every_unroll_and_grid_the_benchmark_sweeps(unroll, grid):
+    """The lab's sweep: axpb v4 and sum v3 with each UNROLL, on a size that is no multiple of the tile, unaligned."""
+    base = gpu_rand(100_003, seed=unroll, low=0.5, high=1.5)
+    out = poison(cp.empty_like(base))
+    for off in (0, 1):
+        x, y = base[off:], out[off:]        # the same offset from 16 bytes: v4's float4 path, not v2's fallback
+        tuning.axpb(x, 3.0, 1.0, out=y, version=4, grid=grid, unroll=unroll)
+        assert_close(y, R.axpb(x, 3.0, 1.0), rtol=1e-6, name=f"axpb v4 UNROLL={unroll} grid={grid} offset={off}")
+        assert_close(tuning.total(x, version=3, grid=grid, unroll=unroll), R.sum(x), rtol=1e-6,
+                     name=f"sum v3 UNROLL={unroll} grid={grid} offset={off}")
 
 
 def test_bad_inputs_are_named():
@@ -152,7 +168,9 @@ def test_bad_inputs_are_named():
     with pytest.raises(TypeError, match="needs scalar"):
         ops.zoo("add_scalar", x)
     with pytest.raises(ValueError, match="block"):
-        ops.total(x, block=100)
+        tuning.total(x, block=100)
+    with pytest.raises(ValueError, match="unroll"):
+        tuning.axpb(x, 1.0, 2.0, unroll=3)
 
 
 def test_compile_error_on_the_gpu_names_the_line(tmp_path):

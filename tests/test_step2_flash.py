@@ -12,6 +12,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from step2_attention import flash  # noqa: E402
+from step2_attention.lab import tiles as lab_tiles  # noqa: E402
 from tests.views import misaligned as _misaligned  # noqa: E402
 
 misaligned = functools.partial(_misaligned, elements=2)   # fp32: 8 bytes past a 16-byte boundary, fp16: 4
@@ -48,14 +49,14 @@ def check_fp32(version, T, causal, D, B=1, H=3, scale=None):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", flash.VERSIONS)
+@pytest.mark.parametrize("version", flash.FLASH_VERSIONS)
 @pytest.mark.parametrize("T", SMALL_TS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_fp32_small(version, T, causal):
     check_fp32(version, T, causal, D=64)
 
 
-@pytest.mark.parametrize("version", flash.VERSIONS)
+@pytest.mark.parametrize("version", flash.FLASH_VERSIONS)
 @pytest.mark.parametrize("T", TS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("D", [32, 64])
@@ -118,7 +119,7 @@ def test_flash_qkv(T, n_head, D, with_bias, causal):
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", flash.VERSIONS)
+@pytest.mark.parametrize("version", flash.FLASH_VERSIONS)
 def test_flash_qkv_small_all_versions(version):
     B, T, n_head, D = 1, 33, 3, 32
     qkv = cp.asarray(rand(B, T, 3 * n_head * D, seed=1))
@@ -152,7 +153,7 @@ def test_flash_qkv_aligned_buffer_with_misaligned_bias_falls_back_to_v2():
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", flash.VERSIONS)
+@pytest.mark.parametrize("version", flash.FLASH_VERSIONS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n_head, D", [(3, 64), (5, 32)])
 def test_flash_qkv_writes_lse(version, causal, n_head, D):
@@ -212,23 +213,24 @@ def test_flash_tc(dtype, T, causal, D):
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("tiles", [{"WARPS": 4, "BC": 32}, {"WARPS": 2, "BC": 64}], ids=str)
-def test_flash_tc_d128_small_tiles(dtype, tiles):
-    """D=128 with tiles that fit a T4's 64 KB of shared memory (the defaults need 87 KB)."""
+def test_lab_flash_tc_d128_small_tiles(dtype, tiles):
+    """The lab's tile sweep (step2_attention/lab/tiles.py): D=128 with tiles that fit a T4's 64 KB of shared
+    memory (the defaults need 87 KB)."""
     need_smem(flash.tc_smem_bytes(128, tiles), f"tiles {tiles} at D=128")
     (q, k, v), ref_in = tc_inputs(2, 3, 200, 128, dtype, seed=5)
     for causal in (True, False):
         out = poison(cp.empty_like(q)) if dtype == "fp16" else cp.full(q.shape, 0x7FC0, cp.uint16)
-        flash.flash_attention_tc(q, k, v, causal=causal, out=out, tiles=tiles)
+        lab_tiles.flash_attention_tc(q, k, v, causal=causal, out=out, tiles=tiles)
         assert_close(as_float(out), R.attention(*ref_in, causal=causal), rtol=1e-2,
                      name=f"flash_tc {dtype} D=128 {tiles} causal={causal}")
 
 
-def test_flash_tc_tiles_too_large_for_shared_memory_are_refused():
+def test_lab_flash_tc_tiles_too_large_for_shared_memory_are_refused():
     (q, k, v), _ = tc_inputs(1, 1, 16, 128, "fp16", seed=1)
     huge = {"WARPS": 16, "BC": 256}               # 348,160 B: more than any GPU's per-block limit
     assert not flash.smem_fits(flash.tc_smem_bytes(128, huge))
     with pytest.raises(ValueError, match=r"tiles: .*D=128 need 348,160 B of shared memory"):
-        flash.flash_attention_tc(q, k, v, tiles=huge)
+        lab_tiles.flash_attention_tc(q, k, v, tiles=huge)
 
 
 def test_flash_tc_misaligned_views_are_refused():
@@ -258,11 +260,12 @@ def test_too_many_heads_for_the_grid_are_refused():
 
 
 @pytest.mark.parametrize("T", [7, 65])
-def test_flash_fp16_fp32_fallback_for_sm70(T):
-    """The V100 path (no m16n8k8): fp16 in, fp32 flash kernel, fp16 out. Forced here on any GPU."""
+def test_lab_flash_fp16_fp32_fallback_for_sm70(T):
+    """The V100 path (no m16n8k8): fp16 in, fp32 flash kernel, fp16 out. Forced here on any GPU, through the
+    lab (step2_attention/lab/tiles.py)."""
     q, k, v = (x.astype(cp.float16) for x in qkv_tensors(2, 3, T, 64, seed=T))
     out = poison(cp.empty_like(q))
-    flash.flash_attention_tc(q, k, v, causal=True, out=out, fp32_fallback=True)
+    lab_tiles.flash_attention_tc(q, k, v, causal=True, out=out, fp32_fallback=True)
     ref = R.attention(*(x.astype(cp.float32) for x in (q, k, v)), causal=True)
     assert_close(out.astype(cp.float32), ref, rtol=1e-2, name=f"fp16 fallback T={T}")
 

@@ -29,12 +29,12 @@ def test_every_version_a_wrapper_accepts_has_its_kernel():
     from step2_attention import flash
     zoo = (*ops1.ZOO_UNARY, *ops1.ZOO_BINARY, *ops1.ZOO_SCALAR, "fill")
     s1, s2, fl = "step1_simple/ops.py", "step2_attention/ops.py", "step2_attention/flash.py"   # owning modules
-    wanted = {(s1, "step1_simple/axpb.cu"): [f"axpb_v{v}" for v in ops1.VERSIONS],
+    wanted = {(s1, "step1_simple/axpb.cu"): [f"axpb_v{v}" for v in ops1.AXPB_VERSIONS],
               (s1, "step1_simple/reduce.cu"): [f"sum_v{v}" for v in ops1.SUM_VERSIONS],
               (s1, "step1_simple/zoo.cu"): [f"zoo_{op}" for op in zoo],
               (s2, "step2_attention/softmax.cu"): [f"softmax_v{v}" for v in ops.SOFTMAX_VERSIONS],
               (s2, "step2_attention/matmul.cu"): [f"matmul_v{v}" for v in ops.MATMUL_VERSIONS],
-              (fl, "step2_attention/flash_attention.cu"): [f"flash_v{v}" for v in flash.VERSIONS],
+              (fl, "step2_attention/flash_attention.cu"): [f"flash_v{v}" for v in flash.FLASH_VERSIONS],
               (s2, "step2_attention/mma_tile.cu"): [f"mma_tile_v{v}<{b}>" for v in ops.MMA_VERSIONS
                                                     for b in ("false", "true")]
               + [f"mma_fragments<{b}>" for b in ("false", "true")]}
@@ -171,6 +171,23 @@ def test_matmul_small(version, mnk):
 @pytest.mark.parametrize("mnk", LARGE_MNK, ids=str)
 def test_matmul_large(version, mnk):
     _check_matmul(*mnk, version)
+
+
+@gpu
+@pytest.mark.parametrize("mnk", [(7, 63, 65), (129, 65, 128), (130, 132, 68), (333, 1024, 1000)], ids=str)
+def test_lab_matmul_v3_tiles_the_benchmark_sweeps(mnk):
+    """The lab's tile sweep (step2_attention/lab/tiles.py): matmul v3 with each alternative tile config that the
+    benchmark times, on the float4 and the scalar path; a config for another version is refused."""
+    from step2_attention.benchmarks import MATMUL_V3_ALTERNATIVES
+    from step2_attention.lab import tiles as lab_tiles
+    M, N, K = mnk
+    a, b = g(M, K, seed=M), g(K, N, seed=N + 1)
+    for alt in MATMUL_V3_ALTERNATIVES:
+        c = poison(cp.empty((M, N), cp.float32))
+        lab_tiles.matmul(a, b, version=3, out=c, config={**ops.MATMUL_V3, **alt})
+        assert_close(c, R.matmul(a, b), rtol=2e-6, name=f"matmul_v3 {alt} {M}x{N}x{K}")
+    with pytest.raises(ValueError, match="config: only matmul version 3"):
+        lab_tiles.matmul(a, b, version=2, config={"BK": 16})
 
 
 @gpu

@@ -1,5 +1,5 @@
 """Step 3 (fusion) against float64 references: LayerNorm v1..v4, fused residual + LayerNorm, the glue of
-the unfused sublayer, both attention-sublayer pipelines, the decode-step tail (separate / two / one
+the unfused sublayer, both attention-sublayer pipelines, the decode-step tail's schedules (separate / two / one
 kernel), conv2d + bias + ReLU and the over-fused LayerNorm + GEMM. Random inputs, poisoned outputs,
 awkward shapes (C not a multiple of 4 or of 32, rows = 1, rows longer than the register cache).
 
@@ -92,6 +92,48 @@ def test_cu_defines_list_every_launched_file_and_every_kernel_has_its_source(mod
         assert names, f"{module}: no kernel of {cu.name} matches {pattern}"
         for name in names:
             assert kernel_source(cu, name), name
+
+
+# ------------------------------------------------------------------ CPU: the shape of step 3's code
+READING_PATH = ["step3_fused/ops.py", "step3_fused/training.py", "step3_fused/shakespeare.py",
+                "step3_fused/benchmarks.py"]
+
+
+@pytest.mark.parametrize("module", READING_PATH)
+def test_reading_path_is_short_and_imports_nothing_from_the_lab(module):
+    """What the notebooks teach from stays under 600 lines and never reaches into step3_fused/lab/ (the lab
+    wraps the mainline, not the other way round)."""
+    src = (ROOT / module).read_text()
+    assert len(src.splitlines()) <= 600, f"{module}: {len(src.splitlines())} lines"
+    assert not re.search(r"step3_fused\.lab|from \.lab|from \. import lab", src), f"{module} imports the lab"
+
+
+def test_version_lists_are_numbered_and_decode_schedules_are_named():
+    """A kernel family's versions are ints 1..N in <FAMILY>_VERSIONS; the decode tail's four ways of cutting
+    the same work into kernels are schedules, named as such."""
+    ops = importlib.import_module("step3_fused.ops")
+    assert ops.LAYERNORM_VERSIONS == (1, 2, 3, 4)
+    assert ops.DECODE_SCHEDULES == ("separate", "separate-splitk", "two", "fused")
+    assert not hasattr(ops, "LN_VERSIONS") and not hasattr(ops, "DECODE_VERSIONS")
+
+
+def test_benchmarks_training_answers_help_without_a_gpu(tmp_path):
+    """`python -m step3_fused.benchmarks_training --help` prints its usage and writes nothing; the run itself
+    without a GPU prints the course's one-line message, no traceback."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "step3_fused.benchmarks_training"]
+    out = subprocess.run(cmd + ["--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage: python -m step3_fused.benchmarks_training" in out.stdout, out.stderr
+    assert list(tmp_path.iterdir()) == [], "--help wrote files"
+    from common.device import skip_reason
+    if skip_reason():
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "This needs an NVIDIA GPU" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------ GPU
@@ -320,17 +362,17 @@ DECODE_SMALL = [(1, 1, 64, 1, [1]), (3, 2, 64, 37, [1, 37, 20]), (2, 3, 32, 9, [
 
 @gpu
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", ["separate", "separate-splitk", "two", "fused"])
+@pytest.mark.parametrize("schedule", ["separate", "separate-splitk", "two", "fused"])
 @pytest.mark.parametrize("B,H,D,L,lengths", DECODE_SMALL)
-def test_decode_sublayer_small(version, B, H, D, L, lengths):
-    test_decode_sublayer(version, B, H, D, L, lengths)
+def test_decode_sublayer_small(schedule, B, H, D, L, lengths):
+    test_decode_sublayer(schedule, B, H, D, L, lengths)
 
 
 @gpu
-@pytest.mark.parametrize("version", ["separate", "separate-splitk", "two", "fused"])
+@pytest.mark.parametrize("schedule", ["separate", "separate-splitk", "two", "fused"])
 @pytest.mark.parametrize("B,H,D,L,lengths", [(4, 12, 64, 1024, [1024, 777, 1, 513]),
                                              (16, 12, 64, 300, list(range(1, 300, 19))[:16])])
-def test_decode_sublayer(version, B, H, D, L, lengths, bias=True):
+def test_decode_sublayer(schedule, B, H, D, L, lengths, bias=True):
     ops = _ops()
     q, kc, vc, lens, x, w, pb, lw, lb = _decode_case(B, H, D, L, lengths, bias=bias)
     want_r, want_y = RF.decode_sublayer(x, q, kc, vc, lengths, w, pb, lw, lb)
@@ -338,22 +380,22 @@ def test_decode_sublayer(version, B, H, D, L, lengths, bias=True):
                  R.decode_attention(q, kc, vc, lengths).reshape(B, -1), rtol=1e-5, name="decode attention")
     for repeat in range(2):          # the second call checks that the kernels left their workspace clean
         r, y = poison(cp.empty_like(x)), poison(cp.empty_like(x))
-        ops.decode_sublayer(x, q, kc, vc, lens, w, pb, lw, lb, version=version, out_residual=r, out_ln=y)
-        assert_close(r, want_r, rtol=1e-5, name=f"{version} residual (call {repeat + 1})")
-        assert_close(y, want_y, rtol=1e-5, name=f"{version} ln (call {repeat + 1})")
+        ops.decode_sublayer(x, q, kc, vc, lens, w, pb, lw, lb, schedule=schedule, out_residual=r, out_ln=y)
+        assert_close(r, want_r, rtol=1e-5, name=f"{schedule} residual (call {repeat + 1})")
+        assert_close(y, want_y, rtol=1e-5, name=f"{schedule} ln (call {repeat + 1})")
     accum, counter = ops.decode_workspace(B, H * D)
     assert not accum.any() and not counter.any(), "workspace not reset to zero"
 
 
 @gpu
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", ["two", "fused"])
-def test_decode_sublayer_in_place_without_bias(version):
+@pytest.mark.parametrize("schedule", ["two", "fused"])
+def test_decode_sublayer_in_place_without_bias(schedule):
     ops = _ops()
     q, kc, vc, lens, x, w, pb, lw, lb = _decode_case(3, 2, 64, 20, [20, 5, 11], seed=5, bias=False)
     want_r, want_y = RF.decode_sublayer(x, q, kc, vc, [20, 5, 11], w, None, lw, lb)
     y = poison(cp.empty_like(x))
-    ops.decode_sublayer(x, q, kc, vc, lens, w, None, lw, lb, version=version, out_residual=x, out_ln=y)
+    ops.decode_sublayer(x, q, kc, vc, lens, w, None, lw, lb, schedule=schedule, out_residual=x, out_ln=y)
     assert_close(x, want_r, rtol=1e-5)
     assert_close(y, want_y, rtol=1e-5)
 
@@ -377,6 +419,25 @@ def test_decode_fused_is_graph_capturable():
     want_r, want_y = RF.decode_sublayer(x, q, kc, vc, [128, 1, 64, 100], w, pb, lw, lb)
     assert_close(r, want_r, rtol=1e-5)
     assert_close(y, want_y, rtol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("schedule,graph", [("separate", False), ("two", True), ("fused", False), ("fused", True)])
+def test_decode_benchmark_call_computes_the_tail(schedule, graph):
+    """step3_fused.benchmarks.decode_call, what the decode rows and notebook 03c time: eager, or its CUDA graph
+    replayed on the current stream, it writes the float64 reference's result into its buffers."""
+    from step3_fused.benchmarks import decode_call, decode_case
+    B, L = 3, 40
+    case = decode_case(B, L, seed=2)
+    fn = decode_call(schedule, case, graph)
+    r, y = fn.outputs
+    poison(r), poison(y)
+    fn()
+    cp.cuda.get_current_stream().synchronize()
+    want_r, want_y = RF.decode_sublayer(case["x"], case["q"], case["k_cache"], case["v_cache"], [L] * B,
+                                        case["w_proj"], case["b_proj"], case["ln_w"], case["ln_b"])
+    assert_close(r, want_r, rtol=1e-5, name=f"{schedule} residual (graph={graph})")
+    assert_close(y, want_y, rtol=1e-5, name=f"{schedule} ln (graph={graph})")
 
 
 @gpu
@@ -438,8 +499,8 @@ def test_bad_inputs_are_named():
         ops.decode_sublayer(xd, q, kc, vc, lens.astype(cp.int64), wd, pb, lw, lb)
     with pytest.raises(ValueError, match="k_cache: expected shape"):
         ops.decode_sublayer(xd, q, kc[:1], vc[:1], lens, wd, pb, lw, lb)
-    with pytest.raises(ValueError, match="version"):
-        ops.decode_sublayer(xd, q, kc, vc, lens, wd, pb, lw, lb, version="one")
+    with pytest.raises(ValueError, match="schedule"):
+        ops.decode_sublayer(xd, q, kc, vc, lens, wd, pb, lw, lb, schedule="one")
     with pytest.raises(ValueError, match="n_head: expected a positive integer"):
         ops.split_heads(g(1, 2, 6, seed=3), 0)
     with pytest.raises(ValueError, match="n_head: expected a positive integer"):

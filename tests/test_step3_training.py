@@ -88,6 +88,24 @@ def test_reference_sgd_step_and_training_loop_reduce_the_loss():
         mlp.train(params, [(ctx, t)], optimizer="lion")
 
 
+def test_optimizer_defaults_agree_between_the_reference_and_the_gpu_classes():
+    """Step 3's AdamW defaults are torch.optim.AdamW's (step 4b passes nanoGPT's explicitly); the float64
+    reference, its training loop and the GPU classes share them, so a default on one side means the same
+    optimiser on the other."""
+    import inspect
+
+    def defaults(f):
+        return {k: v.default for k, v in inspect.signature(f).parameters.items() if v.default is not v.empty}
+    gpu, ref = defaults(T.AdamW.__init__), defaults(mlp.adamw_step)
+    assert gpu["betas"] == ref["betas"] == (0.9, 0.999) and gpu["eps"] == ref["eps"] == 1e-8
+    assert gpu["weight_decay"] == ref["weight_decay"] == 0.01
+    assert defaults(T.SGD.__init__)["weight_decay"] == defaults(mlp.sgd_step)["weight_decay"] == 0.0
+    params, ctx, t = problem(seed=6)
+    for optimizer, wd in (("adamw", 0.01), ("sgd", 0.0)):
+        assert mlp.train(params, [(ctx, t)] * 3, optimizer=optimizer, lr=1e-2) == \
+            mlp.train(params, [(ctx, t)] * 3, optimizer=optimizer, lr=1e-2, weight_decay=wd), optimizer
+
+
 def test_glorot_init_scale():
     p = mlp.init_params(1000, 64, 256, seed=0)
     assert abs(p["W2"].std() / np.sqrt(2.0 / (256 + 1000)) - 1) < 0.01      # U(-a, a) has std a / sqrt(3)
@@ -450,9 +468,21 @@ def test_training_loop_learns_and_reports():
     hist = T.train(m, T.AdamW(m.params, lr=3e-3), (ctx[:15000], tgt[:15000]), (ctx[15000:], tgt[15000:]),
                    steps=100, batch=128, eval_every=50, progress=False)
     assert hist.steps == [50, 100] and hist.val[-1] < hist.val[0] and hist.tokens_per_s > 0
-    per = T.train_per_sample(m, T.SGD(m.params, lr=0.05), (ctx, tgt), samples=20, progress=False)
-    assert per.tokens == 20 and np.isfinite(per.train[0])
     letters = "abcdefghijklmnopqrstuvwxyz"
     vocab = S.Vocab(["<unk>"] + [a + b for a in letters for b in letters][:dims[0] - 1])
     (text, top), = T.predict(m, vocab, ["aa ab ac"], top=3)
     assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and 0 < sum(p for _, p in top) <= 1 + 1e-6
+
+
+def test_train_checks_host_ids_before_any_gpu_work():
+    """train range-checks its NumPy ids once, with common.expect_token_ids, naming the array and the position;
+    nothing reaches the GPU (the model here is only its vocabulary size)."""
+    from types import SimpleNamespace
+    ctx, tgt = S.windows(np.arange(20, dtype=np.int32) % 7, 3)
+    model = SimpleNamespace(V=7)
+    bad = ctx.copy(); bad[4, 1] = 7
+    with pytest.raises(ValueError, match=r"train_data\[0\]\[4, 1\]: token id 7 is out of range \[0, 7\)"):
+        T.train(model, None, (bad, tgt), (ctx, tgt), steps=1, batch=1, progress=False)
+    with pytest.raises(ValueError, match=r"val_data\[1\]\[2\]: token id -1 is out of range"):
+        T.train(model, None, (ctx, tgt), (ctx, np.where(np.arange(len(tgt)) == 2, -1, tgt)), steps=1, batch=1,
+                progress=False)

@@ -88,8 +88,8 @@ def adamw_init(params: dict) -> dict:
 
 def adamw_step(params: dict, grads: dict, state: dict, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 0.01, decayed=lambda name: name in DECAYED) -> tuple[dict, dict]:
-    """One AdamW step (PyTorch's torch.optim.AdamW formula), weight decay on the tensors `decayed(name)`
-    picks; returns (new params, new state)."""
+    """One AdamW step (PyTorch's torch.optim.AdamW formula and defaults, as step3_fused.training.AdamW), weight
+    decay on the tensors `decayed(name)` picks; returns (new params, new state)."""
     b1, b2 = betas
     t = state["t"] + 1
     bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
@@ -104,12 +104,15 @@ def adamw_step(params: dict, grads: dict, state: dict, lr: float, betas=(0.9, 0.
     return new_p, {"t": t, "m": m_new, "v": v_new}
 
 
-def train(params: dict, batches, optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
+def train(params: dict, batches, optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float | None = None,
           betas=(0.9, 0.999), eps: float = 1e-8) -> list[float]:
     """Full float64 training loop over `batches` (an iterable of (ctx, targets)); returns the loss of
-    every step, measured before that step's update (as the GPU loop reports it)."""
+    every step, measured before that step's update (as the GPU loop reports it). weight_decay None: the
+    optimiser's own default, as step3_fused.training has it (SGD 0, AdamW 0.01)."""
     if optimizer not in ("sgd", "adamw"):
         raise ValueError(f"optimizer: expected 'sgd' or 'adamw', got {optimizer!r}")
+    if weight_decay is None:
+        weight_decay = 0.01 if optimizer == "adamw" else 0.0
     p = {k: f64(v) for k, v in params.items()}
     state = adamw_init(p)
     losses = []

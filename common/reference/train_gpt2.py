@@ -1,8 +1,8 @@
 """float64 NumPy references for training a GPT-2: every layer's forward AND backward, the fused classifier,
 AdamW, gradient clipping, the learning-rate schedule, and the whole model's loss + gradients.
 
-The kernels of step4_gpt2/train_gpt2.cu are checked against these; these are checked against torch autograd
-on the CPU (tests/test_step4_train.py). Layouts are the GPU's: activations are (N, C) rows with N = B * T,
+The kernels of step4_gpt2/train/ (lesson 4b) are checked against these; these are checked against torch autograd
+on the CPU (tests/step4/test_step4_train.py). Layouts are the GPU's: activations are (N, C) rows with N = B * T,
 qkv is GPT-2's fused (B, T, 3C) buffer WITHOUT its bias (the attention kernels add it while loading),
 parameters use the Hugging Face names of step4_gpt2.weights (Conv1D weights are (in, out): y = x @ W + b).
 """
@@ -95,7 +95,7 @@ def attention_backward(dout, qkv, bias, n_head: int):
 
 def tf32(x) -> np.ndarray:
     """float32 x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as PTX's
-    cvt.rna.tf32.f32 does (train_attention_tc.cu): the result is a float32 whose low 13 mantissa bits are zero.
+    cvt.rna.tf32.f32 does (step4_gpt2/train/attention_tc.cu): the result is a float32 whose low 13 mantissa bits are zero.
     Adding half of the dropped range to the magnitude bits carries into the kept ones exactly when the dropped
     part is at least half (a carry out of the mantissa bumps the exponent, as rounding up should); NaN and
     infinity are not handled (the kernels never see them)."""

@@ -1,0 +1,1 @@
+"""Step 2's experiments: what the benchmarks sweep and the tests cover beyond the notebooks' kernels."""

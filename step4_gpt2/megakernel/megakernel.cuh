@@ -1,0 +1,405 @@
+// megakernel.cuh - the pieces both versions of the decode megakernel are built from (megakernel_v1.cu,
+// megakernel_v2.cu): its constants, the bounded wait between blocks, the weight loads and the GEMV tiles.
+// LayerNorm, the MLP's down projection and attention are in megakernel_stages.cuh.
+//
+// A decode step at batch <= 8 reads every weight once (494.6 MB for the 124M model) and does almost no
+// arithmetic per byte, so its floor is the time to stream the weights from DRAM. Run as ~60 small kernels
+// (step 4's decode), each kernel pays a launch, a DRAM round trip before its loads arrive and a drain at
+// its end, and the GPU is idle in between. Here one launch keeps one block (or two) resident per SM for
+// the whole step; every block takes a tile of every stage:
+//
+//   per layer   QKV      LayerNorm(x) (each block recomputes it for the <= 8 rows: cheaper than a stage)
+//                        -> rows of c_attn -> q, and k/v appended to the cache at each sequence's position
+//               ATT      attention over the cache, split over (sequence, head, chunk of positions), one warp
+//                        per unit, units dealt round-robin over the blocks (one SM's loads per unit); the last
+//                        unit of a (sequence, head) to finish combines the chunks, or, with few chunks, PROJ
+//               PROJ     (merges the chunks) -> rows of attn c_proj, + bias + residual (+ acc) into x
+//               MLP      LayerNorm(x) -> rows of c_fc -> GELU -> h rows (shared memory) -> times the same
+//                        rows of mlp c_proj^T, added into acc (split-K, below); LayerNorms read x + acc
+//   then        LM       LayerNorm_f(x + acc) -> rows of the tied LM head -> logits, and the greedy choice:
+//                        each block's best (value, index) packed into 64 bits, combined with one atomicMax;
+//                        the last block to finish writes the token and advances the position.
+//
+// A GEMV stage splits its N output rows into contiguous ranges, one per block; inside a block a warp takes
+// ROWS rows x one segment of 32*UNROLL float4 columns and issues all its weight loads before using them.
+// The MLP's down projection is split the other way (over its inputs, K): a block multiplies the h rows it has
+// just made by the matching rows of mlp c_proj^T (the host passes it transposed) and adds C partial sums into
+// acc with atomics, so no block waits for another's h and the MLP is one stage, not two. The next projection
+// folds acc into x and zeroes it. The order of those additions, and the last bits of x, vary from run to run.
+//
+// Nothing here can hang: every wait is bounded by %globaltimer (timeout_ns); on a timeout a block records
+// (code 1, block, stage, layer, step) in err[] and every block leaves at its next wait; the host turns err[]
+// into an exception (code 2: launched with less dynamic shared memory than the layout needs). All blocks must
+// be resident at once (the host sizes the grid with the occupancy API and refuses a launch that cannot fit).
+// stall_block >= 0 makes that block never signal (the test of the timeout path; -1 in a normal launch).
+//
+// Compile-time constants (defaults: GPT-2 124M, batch 1): NB (batch rows), C, NH, NL, VOCAB, MK_THREADS,
+// MK_ROWS, MK_UNROLL, MK_PF_WAVES (waves of weight rows prefetched ahead, v2), ATT_MAXCL (most positions per
+// attention unit), MK_ATT_PF_MAX (bytes of KV cache v2 prefetches), MK_MERGE_MAX (most NB x chunks the
+// projection merges itself), MK_HCAP (most h rows a block keeps in shared memory at once), MK_EPS (LayerNorm
+// epsilon); MK_VERSION (1 or 2) comes from the version's file.
+#pragma once
+#include "course.cuh"
+
+#ifndef NB
+#define NB 1
+#endif
+#ifndef C
+#define C 768
+#endif
+#ifndef NH
+#define NH 12
+#endif
+#ifndef NL
+#define NL 12
+#endif
+#ifndef VOCAB
+#define VOCAB 50257
+#endif
+#ifndef MK_THREADS
+#define MK_THREADS 384
+#endif
+#ifndef MK_ROWS
+#define MK_ROWS 2
+#endif
+#ifndef MK_UNROLL
+#define MK_UNROLL 3
+#endif
+#ifndef MK_VERSION
+#error "MK_VERSION: include this header from megakernel_v1.cu or megakernel_v2.cu, which define it"
+#endif
+#ifndef MK_PF_WAVES
+#define MK_PF_WAVES 2
+#endif
+#ifndef ATT_MAXCL
+#define ATT_MAXCL 256
+#endif
+#ifndef MK_ATT_PF_MAX
+#define MK_ATT_PF_MAX (16ll << 20)
+#endif
+#ifndef MK_MERGE_MAX
+#define MK_MERGE_MAX 4
+#endif
+#ifndef MK_HCAP
+#define MK_HCAP 48
+#endif
+#ifndef MK_EPS
+#define MK_EPS 1e-5f
+#endif
+
+#define HD (C / NH)
+#define NWARPS (MK_THREADS / 32)
+#define R MK_ROWS
+#define U MK_UNROLL
+
+static_assert(NB >= 1 && NB <= 8, "NB: batch rows 1..8");
+static_assert(C % NH == 0 && (HD == 32 || HD == 64), "head_dim must be 32 or 64");
+static_assert(C % 4 == 0, "C must be a multiple of 4 (float4 loads)");
+static_assert(HD % R == 0, "a row group of QKV must not straddle q/k/v or two heads");
+static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024 && NWARPS >= NB, "MK_THREADS: a warp per batch row");
+static_assert(MK_VERSION == 1 || MK_VERSION == 2, "MK_VERSION must be 1 or 2");
+static_assert(ATT_MAXCL % 32 == 0, "ATT_MAXCL must be a multiple of 32");
+static_assert(MK_MERGE_MAX >= 1, "MK_MERGE_MAX: at least 1");
+static_assert(MK_HCAP % R == 0 && MK_HCAP % 4 == 0, "MK_HCAP: a multiple of MK_ROWS and of 4 (float4 after it)");
+
+// One layer's pointers in the table the host passes (NL x LW_COUNT, as 64-bit integers).
+enum { LW_LN1W, LW_LN1B, LW_ATTNW, LW_ATTNB, LW_PROJW, LW_PROJB, LW_LN2W, LW_LN2B, LW_FCW, LW_FCB,
+       LW_MPROJWT, LW_MPROJB, LW_KCACHE, LW_VCACHE, LW_COUNT };
+// Counters in sync[] (uint32, zeroed once; they only grow, so targets come from the step number).
+enum { S_BAR, S_ATT_DONE, S_X_DONE, S_X2_DONE, S_LM_DONE, S_TOK_DONE, S_HEAD0 = 8 };
+#ifdef MK_LW_COUNT                  // the host's sizes of the pointer table and the fixed counters (megakernel.py)
+static_assert(LW_COUNT == MK_LW_COUNT, "megakernel.py's LW_COUNT differs from the LW_ enum");
+#endif
+#ifdef MK_SYNC_FIXED
+static_assert(S_HEAD0 == MK_SYNC_FIXED, "megakernel.py's SYNC_FIXED differs from S_HEAD0");
+#endif
+#define S_ATTC0 (S_HEAD0 + NH)      // then NB*NH arrival counters, one per (sequence, head)
+enum { ST_QKV, ST_ATT, ST_PROJ, ST_MLP, ST_LM };
+#define STAGES_PER_LAYER 4
+#define STAGES_PER_STEP (STAGES_PER_LAYER * NL + 1)
+enum { EPI_QKV, EPI_RESID, EPI_GELU, EPI_LOGITS };
+
+// ------------------------------------------------------------------------------------------ small helpers
+__device__ __forceinline__ int ld_volatile(const int* p) { return *(const volatile int*)p; }
+
+// Where a stage is: for the error record and the timeline.
+struct Where { int stage, layer, step; };
+
+struct Ctl {
+    unsigned* sync;
+    int* err;
+    long long timeout_ns;
+    int stall_block;
+    unsigned long long* timeline;   // the lab's timeline build: (grid, nsteps * STAGES_PER_STEP, 3) stamps
+    int stamps_per_block;
+};
+
+// One thread waits until *ctr >= target (wrap-safe). False when this wait timed out (it records where) or
+// another block already reported an error: the caller then leaves. The acquire orders this thread's later
+// loads after the producers' writes; the caller passes that on to its other threads through a barrier.
+__device__ bool wait_geq(const unsigned* ctr, unsigned target, const Ctl& ctl, Where w) {
+    const unsigned long long t0 = globaltimer();
+    for (unsigned it = 0;; ++it) {
+        if ((int)(ld_acquire(ctr) - target) >= 0) return true;
+        if ((it & 15) == 15) {
+            if (ld_volatile(ctl.err) != 0) return false;
+            if ((long long)(globaltimer() - t0) > ctl.timeout_ns) {
+                if (atomicCAS(ctl.err, 0, 1) == 0) {
+                    ctl.err[1] = blockIdx.x; ctl.err[2] = w.stage; ctl.err[3] = w.layer; ctl.err[4] = w.step;
+                    ctl.err[5] = (int)target; ctl.err[6] = (int)ld_acquire(ctr);
+                    __threadfence();
+                }
+                return false;
+            }
+        }
+    }
+}
+
+// Whole-block versions: thread 0 waits, everyone learns the outcome from the same barrier.
+__device__ __forceinline__ bool block_wait(const unsigned* ctr, unsigned target, const Ctl& ctl, Where w) {
+    bool ok = true;
+    if (threadIdx.x == 0) ok = wait_geq(ctr, target, ctl, w);
+    return __syncthreads_and(ok);
+}
+// Release: everything this block wrote before is visible to whoever sees the counter move.
+__device__ __forceinline__ void block_signal(unsigned* ctr, unsigned add, const Ctl& ctl) {
+    __syncthreads();
+    if (threadIdx.x == 0 && (int)blockIdx.x != ctl.stall_block && add) red_release(ctr, add);
+}
+
+// v1: every block arrives, then waits for all gridDim.x arrivals; bar is the counter's value before it.
+__device__ __forceinline__ bool grid_barrier(unsigned* ctr, unsigned& bar, const Ctl& ctl, Where w) {
+    block_signal(ctr, 1, ctl);
+    const bool ok = block_wait(ctr, bar + gridDim.x, ctl, w);
+    bar += gridDim.x;
+    return ok;
+}
+
+// Where a stage starts (which 0), its inputs are ready (1) and it ends (2). Nothing here; the lab's timeline
+// build (lab/megakernel_timeline.cu) defines MK_STAMP before including a version, to stamp %globaltimer.
+#ifndef MK_STAMP
+#define MK_STAMP(ctl, idx, which) ((void)(idx))
+#endif
+
+// ------------------------------------------------------------------------------------------ weight loads
+// Every weight is read once per step: streamed, evict-first in L2 (ld.global.cs), and asked from L2 ahead of
+// use (prefetch.global.L2). KEEP marks a layer's weights (not the LM head's): the lab's keep-in-L2 build
+// (lab/megakernel_keep_l2.cu) defines MK_WEIGHT_LOADS and its own two functions, which treat them otherwise.
+#ifndef MK_WEIGHT_LOADS
+template <bool KEEP>
+__device__ __forceinline__ float4 ld_weight(const float4* p) { return __ldcs(p); }
+
+template <bool KEEP = false>
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
+#endif
+
+// ------------------------------------------------------------------------------------------ GEMV tiles
+// A stage's matrix W is (N, K), row-major, rows = outputs. Row groups of R rows; block b owns the
+// contiguous groups [RG*b/G, RG*(b+1)/G). A warp takes one (row group, segment) item per wave.
+template <int K> struct Geo {
+    static constexpr int K4 = K / 4;
+    static constexpr int SEG = 32 * U;                              // float4 columns per segment
+    static constexpr int NSEG = (K4 + SEG - 1) / SEG;
+    static constexpr int WPRG = NSEG < NWARPS ? NSEG : NWARPS;     // warps per row group
+    static constexpr int RGPW = NWARPS / WPRG;                      // row groups per wave
+    static constexpr bool FULL = K4 % SEG == 0;
+};
+static_assert(Geo<C>::RGPW * R * NB <= MK_THREADS, "one reduction per thread");
+
+// QKV rows are visited head-major (all of head 0's q, k and v rows, then head 1's, ...), so a block's
+// contiguous range finishes a few heads, and attention on a head can start as soon as its rows are done.
+template <int EPI>
+__device__ __forceinline__ int row_of(int v) {
+    if (EPI != EPI_QKV) return v;
+    const int h = v / (3 * HD), rem = v - h * 3 * HD, part = rem / HD, d = rem - part * HD;
+    return part * C + h * HD + d;
+}
+
+template <int N>
+__device__ __forceinline__ void tile_range(int& rg0, int& rg1) {
+    constexpr int RG = (N + R - 1) / R;
+    rg0 = (int)((long long)RG * blockIdx.x / gridDim.x);
+    rg1 = (int)((long long)RG * (blockIdx.x + 1) / gridDim.x);
+}
+
+template <int K, int N, int EPI>
+__device__ __forceinline__ void gemv_load(float4 (&w)[R][U], const float* __restrict__ W, int rg, int seg, bool act) {
+    using G = Geo<K>;
+    const int lane = threadIdx.x % 32;
+    const float4* W4 = reinterpret_cast<const float4*>(W);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int v = rg * R + r;
+        const float4* row = W4 + (long long)row_of<EPI>(v < N ? v : N - 1) * G::K4;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = seg * G::SEG + lane + 32 * u;
+            w[r][u] = (act && (G::FULL || k < G::K4)) ? ld_weight<EPI != EPI_LOGITS>(row + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+}
+
+// Ask L2 for rows [v0, v1) of W (one prefetch per 128-byte line), spread over the block's threads.
+// Not inlined: its address arithmetic would otherwise hold registers across the whole kernel (spills).
+template <int K, int N, int EPI>
+__device__ __noinline__ void prefetch_rows(const float* W, int v0, int v1) {
+    constexpr int LPR = (K * 4 + 127) / 128;
+    v1 = v1 < N ? v1 : N;
+    for (int i = threadIdx.x; i < (v1 - v0) * LPR; i += MK_THREADS) {
+        const int v = v0 + i / LPR;
+        prefetch_l2<EPI != EPI_LOGITS>(W + (long long)row_of<EPI>(v) * K + (i % LPR) * 32);
+    }
+}
+
+// The first waves of this block's tile of a stage: what v2 prefetches one stage ahead.
+template <int K, int N, int EPI>
+__device__ __forceinline__ void prefetch_tile(const float* W) {
+    int rg0, rg1;
+    tile_range<N>(rg0, rg1);
+    const int end = min(rg1, rg0 + MK_PF_WAVES * Geo<K>::RGPW);
+    prefetch_rows<K, N, EPI>(W, rg0 * R, end * R);
+}
+
+// The register loads of the block's first wave (v2 issues them before waiting for the stage's inputs).
+template <int K, int N, int EPI>
+__device__ __forceinline__ void gemv_preload(float4 (&w)[R][U], const float* W) {
+    using G = Geo<K>;
+    int rg0, rg1;
+    tile_range<N>(rg0, rg1);
+    const int warp = threadIdx.x / 32, slot = warp / G::WPRG, wi = warp % G::WPRG;
+    gemv_load<K, N, EPI>(w, W, rg0 + slot, wi, slot < G::RGPW && rg0 + slot < rg1);
+}
+
+struct Epi {
+    const float* bias;
+    float* out;          // q (QKV), x (RESID), h (GELU: shared, NB x MK_HCAP from row row0), logits (LOGITS)
+    float* kc;           // QKV: this layer's caches (NB, NH, L, HD)
+    float* vc;
+    const int* spos;     // shared: each row's position
+    int L;
+    unsigned long long* best;   // LOGITS: shared, packed (value, index) per row
+    float* acc;          // RESID: the last MLP's sums, folded into x when `fold` (not at layer 0), then zeroed
+    int fold;
+    int row0;            // GELU: the first row held in `out`
+    bool pre_ok;         // RESID: `pre` holds this thread's first-wave x + bias (+ acc), read before the wait
+    float pre;
+};
+
+__device__ __forceinline__ unsigned long long pack_best(float v, int n) {
+    unsigned bits = __float_as_uint(v);
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);        // order-preserving for non-NaN floats
+    return ((unsigned long long)bits << 32) | (unsigned)(0xffffffffu - (unsigned)n);   // ties: smaller index
+}
+
+template <int EPI, int N>
+__device__ __forceinline__ void epilogue(int v, int b, float s, const Epi& e, bool first) {
+    const int n = row_of<EPI>(v);
+    if (EPI == EPI_QKV) {
+        s += e.bias[n];
+        const int part = n / C, c = n - part * C, h = c / HD, d = c - h * HD;
+        if (part == 0) e.out[b * C + c] = s;
+        else (part == 1 ? e.kc : e.vc)[(((long long)b * NH + h) * e.L + e.spos[b]) * HD + d] = s;
+    } else if (EPI == EPI_RESID) {
+        float* p = e.out + (long long)b * N + n;
+        float* a = e.acc + (long long)b * N + n;
+        *p = first && e.pre_ok ? s + e.pre : __ldcg(p) + s + e.bias[n] + (e.fold ? __ldcg(a) : 0.0f);
+        *a = 0.0f;                              // ready for this layer's MLP (which waits for this stage)
+    } else if (EPI == EPI_GELU) {
+        e.out[b * MK_HCAP + n - e.row0] = gelu_tanh(s + e.bias[n]);
+    } else {
+        e.out[(long long)b * N + n] = s;
+    }
+}
+
+// Row groups [rg0, rg1) of one GEMV stage (the block's tile, or a part of it): xs (shared, NB x K) times
+// rows of W. w holds the first wave's weights on entry when `preloaded`. Every wave: compute, issue the next
+// wave's loads (and, v2, an L2 prefetch MK_PF_WAVES waves ahead), reduce across warps in shared memory,
+// epilogue.
+template <int K, int N, int EPI>
+__device__ void gemv_tile(float4 (&w)[R][U], bool preloaded, const float* __restrict__ W, const float* xs,
+                          float* part, const Epi& e, int rg0, int rg1) {
+    using G = Geo<K>;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int slot = warp / G::WPRG, wi = warp % G::WPRG;
+    if (!preloaded) gemv_load<K, N, EPI>(w, W, rg0 + slot, wi, slot < G::RGPW && rg0 + slot < rg1);
+    const float4* xs4 = reinterpret_cast<const float4*>(xs);
+    // the reduction: thread t sums (slot t / (R NB), row (t / NB) % R, batch row t % NB) over the WPRG warps
+    const int red_slot = threadIdx.x / (R * NB), red_r = (threadIdx.x / NB) % R, red_b = threadIdx.x % NB;
+    float best_v = __int_as_float(0xff800000);
+    int best_n = 0x7fffffff;
+    int buf = 0;
+    for (int base = rg0; base < rg1; base += G::RGPW, buf ^= 1) {
+        const int rg = base + slot;
+        const bool act = slot < G::RGPW && rg < rg1;
+        float acc[R][NB];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) acc[r][b] = 0.0f;
+        if (act) {
+            for (int seg = wi;;) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int k = seg * G::SEG + lane + 32 * u;
+                    if (!G::FULL && k >= G::K4) break;
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) {
+                        const float4 xv = xs4[b * G::K4 + k];
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[r][b] += dot4(w[r][u], xv);
+                    }
+                }
+                seg += G::WPRG;
+                if (seg >= G::NSEG) break;
+                gemv_load<K, N, EPI>(w, W, rg, seg, true);
+            }
+        }
+        const int nrg = rg + G::RGPW;                         // the next wave's first segment: in flight now
+        if (slot < G::RGPW && nrg < rg1) gemv_load<K, N, EPI>(w, W, nrg, wi, true);
+#if MK_VERSION == 2
+        if (base + MK_PF_WAVES * G::RGPW < rg1)
+            prefetch_rows<K, N, EPI>(W, (base + MK_PF_WAVES * G::RGPW) * R,
+                                     min(rg1, base + (MK_PF_WAVES + 1) * G::RGPW) * R);
+#endif
+        float* pb = part + buf * NWARPS * R * NB;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const float s = warp_sum(acc[r][b]);
+                if (lane == 0 && act) pb[(warp * R + r) * NB + b] = s;
+            }
+        __syncthreads();
+        if (red_slot < G::RGPW) {
+            const int rgx = base + red_slot, v = rgx * R + red_r;
+            if (rgx < rg1 && v < N) {
+                float s = 0.0f;
+#pragma unroll 4
+                for (int j = 0; j < G::WPRG; ++j) s += pb[((red_slot * G::WPRG + j) * R + red_r) * NB + red_b];
+                epilogue<EPI, N>(v, red_b, s, e, base == rg0);
+                if (EPI == EPI_LOGITS && (s > best_v || (s == best_v && v < best_n))) { best_v = s; best_n = v; }
+            }
+        }
+    }
+    if (EPI == EPI_LOGITS) {
+        if (best_n != 0x7fffffff) atomicMax(&e.best[red_b], pack_best(best_v, best_n));
+        __syncthreads();
+    }
+}
+
+// v2: what the projection's epilogue adds to its sum for this thread's first-wave output (x + bias, + acc
+// after layer 0), read before the stage waits, so no dependent load is left after the attention arrives.
+// Safe to read early: x's rows here are written only by this block's own projections (at layer 0 x is the
+// embedding, made here from the inputs), and acc was complete when this block's QKV stage began.
+__device__ __forceinline__ float resid_preload(const float* x, const float* acc, const float* __restrict__ bias,
+                                               int layer, const float* __restrict__ wte,
+                                               const float* __restrict__ wpe, const int* stok, const int* spos) {
+    int rg0, rg1;
+    tile_range<C>(rg0, rg1);
+    const int red_slot = threadIdx.x / (R * NB), red_r = (threadIdx.x / NB) % R, b = threadIdx.x % NB;
+    const int v = (rg0 + red_slot) * R + red_r;
+    if (red_slot >= Geo<C>::RGPW || rg0 + red_slot >= rg1 || v >= C) return 0.0f;
+    const float r = layer == 0 ? __ldg(wte + (long long)stok[b] * C + v) + __ldg(wpe + (long long)spos[b] * C + v)
+                               : __ldcg(x + b * C + v) + __ldcg(acc + b * C + v);
+    return r + bias[v];
+}

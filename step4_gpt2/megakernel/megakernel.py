@@ -1,0 +1,327 @@
+"""The whole GPT-2 decode step in one persistent kernel (megakernel_v1.cu, megakernel_v2.cu), as a decoder.
+
+    dec = MegakernelDecoder(model, batch=1, length=300)          # version=2: counters + prefetch
+    first = dec.prefill(ids, lens)                                # the prompt, on the model's prefill path
+    for tokens in dec.decode(200):                                # np.int32 (B,) per step
+        ...
+    generate(model, prompts, 200, decoder=MegakernelDecoder)     # the same through lesson 4a's generate()
+
+MegakernelDecoder is a generate.Decoder (its interface, prefill, argument checks and token choice, its decode
+state and stream) whose steps are launches of this kernel. Options:
+  version          1: a grid-wide barrier before every stage (megakernel_v1.cu); 2: counters + weight
+                   prefetch (megakernel_v2.cu, the default)
+  steps_per_launch greedy steps one launch runs (the kernel feeds its own argmax to the next step); 1 =
+                   one launch per token, the host queues them ahead (generate.PIPELINE_DEPTH)
+  timeout_s        the longest any block may wait for another inside the kernel before it reports an error
+Sampling (choose given) works one launch per token: the kernel's argmax is replaced by the sampled token.
+`supports(model, batch, greedy)` says whether the megakernel is the decoder to pick for a call.
+
+Nothing hangs: the grid is sized so every block is resident at once (the driver's occupancy calculator);
+when it cannot be, the constructor raises MegakernelUnavailable (supports() then says False), and every wait
+inside the kernel is bounded: a timeout raises MegakernelTimeout naming the block, stage, layer and step that
+waited, and the decoder's counters are reset so it can run again.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from common import allow_dynamic_smem, device_info, expect_choice, get_kernel, occupancy, require_gpu
+from step4_gpt2.generate import Decoder
+from step4_gpt2.weights import GPTConfig
+
+HERE = Path(__file__).resolve().parent
+SOURCE_V1 = HERE / "megakernel_v1.cu"
+SOURCE_V2 = HERE / "megakernel_v2.cu"
+SOURCES = {1: SOURCE_V1, 2: SOURCE_V2}
+KERNEL = "megakernel_decode"
+MAX_BATCH = 8            # the kernel keeps a (rows x batch) accumulator per lane in registers
+THREADS = 384            # 12 warps per block (155-168 registers per thread by batch and version at sm_90; 512: 128, slower)
+ROWS = 2                 # output rows per warp item (rows(): ROWS_B1 where that fits)
+ROWS_B1 = 4              # batch 1, sm_80+, n_embd <= 768, default threads and unroll: one wave of 4-row items
+                         # covers a block's QKV and c_fc rows (124M on 132 SMs), one round trip fewer per stage;
+                         # elsewhere (other threads or unroll included) they would spill or are untested
+UNROLL = 3               # float4 columns per lane per row in one item: 96 float4 = 384 floats per segment
+PF_WAVES = 2             # v2: waves of weight rows asked from L2 ahead of use
+ATT_MAXCL = 256          # most cache positions one attention unit (one warp) handles
+MERGE_MAX = 4            # batch x chunks up to which the attention projection merges the chunks itself
+HCAP = 48                # most h rows a block keeps in shared memory at once (the MLP stage; more: in turns)
+SYNC_FIXED = 8           # fixed counters before the per-head ones (megakernel.cuh: S_HEAD0)
+LW_COUNT = 14            # pointers per layer in the table (megakernel.cuh: LW_COUNT)
+STAGES = ("QKV", "attention", "attn proj", "mlp", "LM head")
+PER_LAYER = len(STAGES) - 1          # stages per layer; the LM head ends a step
+TIMEOUT_S = 2.0
+AUTO_MAX_BATCH = 8       # supports(): the megakernel for greedy decoding up to this batch, where it fits
+                         # (its benchmark: v2 beat the graph decode at batch 1 and 8, caches 32 and 991)
+
+
+class MegakernelUnavailable(RuntimeError):
+    """The megakernel cannot run this model/batch on this GPU (its blocks would not all be resident)."""
+
+
+class MegakernelTimeout(RuntimeError):
+    """A block waited longer than timeout_s for another block inside the kernel (reported, not hung)."""
+
+
+def unsupported_reason(config, batch: int) -> str | None:
+    """Why the kernel cannot take this config and batch (None when it can)."""
+    if not isinstance(batch, (int, np.integer)) or not 1 <= batch <= MAX_BATCH:
+        return f"batch: the megakernel decodes 1 to {MAX_BATCH} sequences, got {batch!r}"
+    if config.n_embd % config.n_head or config.head_dim not in (32, 64):
+        return f"config: head_dim must be 32 or 64, got n_embd={config.n_embd}, n_head={config.n_head}"
+    if config.n_embd % 4:
+        return f"config: n_embd must be a multiple of 4 (float4 loads), got {config.n_embd}"
+    return None
+
+
+def rows(config, batch: int, sm: int | None = None, threads: int = THREADS, unroll: int = UNROLL) -> int:
+    """Output rows per warp item for a config and batch on a GPU of compute capability `sm` (None: any);
+    threads and unroll: the build's (the defaults but in the lab's variant builds)."""
+    fits = batch == 1 and sm is not None and sm >= 80 and config.n_embd <= 768 and threads == THREADS \
+        and unroll == UNROLL
+    return ROWS_B1 if fits else ROWS
+
+
+def defines(config, batch: int, sm: int | None = None, threads: int = THREADS, unroll: int = UNROLL) -> dict:
+    """The compile-time constants of megakernel_v1.cu / megakernel_v2.cu (each sets its own MK_VERSION) for a
+    model config and batch, on a GPU of compute capability `sm` (None: the portable choices)."""
+    return {"NB": int(batch), "C": config.n_embd, "NH": config.n_head, "NL": config.n_layer,
+            "VOCAB": config.vocab_size, "MK_THREADS": threads, "MK_ROWS": rows(config, batch, sm, threads, unroll),
+            "MK_UNROLL": unroll, "MK_PF_WAVES": PF_WAVES, "ATT_MAXCL": ATT_MAXCL, "MK_MERGE_MAX": MERGE_MAX,
+            "MK_HCAP": HCAP, "MK_EPS": f"{float(config.eps)!r}f",
+            "MK_LW_COUNT": LW_COUNT, "MK_SYNC_FIXED": SYNC_FIXED}     # checked against the .cu's own (static_assert)
+
+
+# For tests/test_compile.py: GPT-2 124M at batch 1 (the .cu's own defaults), and LW_COUNT / SYNC_FIXED checked.
+CU_DEFINES = {SOURCE_V1: defines(GPTConfig(), 1), SOURCE_V2: defines(GPTConfig(), 1)}
+
+
+def stages_per_step(n_layer: int) -> int:
+    """Stages of one decode step (megakernel.cuh: STAGES_PER_STEP): PER_LAYER per layer, then the LM head."""
+    return PER_LAYER * n_layer + 1
+
+
+def _mlp_groups(config, threads: int) -> int:
+    """Groups of threads that split the rows of the MLP's down projection (megakernel_stages.cuh: MLP_KG)."""
+    c4 = config.n_embd // 4
+    return 1 if c4 > threads else threads // c4
+
+
+def smem_bytes(config, batch: int, sm: int | None = None, threads: int = THREADS, unroll: int = UNROLL) -> int:
+    """Dynamic shared memory per block: the stage input (batch x C), the MLP's cross-group sums and its h
+    rows, the cross-warp partial sums, and each warp's q row and attention probabilities."""
+    warps, C, r = threads // 32, config.n_embd, rows(config, batch, sm, threads, unroll)
+    return 4 * (batch * C * (1 + _mlp_groups(config, threads)) + batch * HCAP + 2 * warps * r * batch
+                + warps * config.head_dim + warps * ATT_MAXCL)
+
+
+def compile_kernel(version: int, defines: dict):
+    """The kernel of megakernel_v1.cu or megakernel_v2.cu, compiled with these constants."""
+    if version == 1:
+        return get_kernel(SOURCE_V1, "megakernel_decode", defines)
+    return get_kernel(SOURCE_V2, "megakernel_decode", defines)
+
+
+def fit(fn, config, batch: int, threads: int = THREADS, unroll: int = UNROLL) -> tuple[int, int]:
+    """(dynamic shared memory per block, resident blocks per SM >= 1) of the compiled kernel fn for this config
+    and batch on this GPU; MegakernelUnavailable where its shared memory is past the GPU's opt-in limit or not
+    one block fits on an SM (every block must be resident at once)."""
+    smem = smem_bytes(config, batch, device_info()["sm"], threads, unroll)
+    try:
+        allow_dynamic_smem(fn, smem, f"batch={batch}: the megakernel's stage inputs")
+    except ValueError as e:
+        raise MegakernelUnavailable(str(e)) from None
+    per_sm = int(occupancy(fn, threads, smem)["blocks_per_sm"])
+    if per_sm < 1:
+        raise MegakernelUnavailable(
+            f"not one block of the megakernel ({threads} threads, {fn.num_regs} registers each, {smem:,} B of "
+            f"shared memory) fits on an SM of this GPU ({device_info()['name']}); every block must be resident "
+            f"at once, so it cannot run here")
+    return smem, per_sm
+
+
+def supports(model, batch: int, greedy: bool) -> bool:
+    """Whether to decode this call with the megakernel: greedy decoding of 1..AUTO_MAX_BATCH sequences of a
+    model the kernel takes, where every block of it fits on this GPU at once."""
+    if not greedy or unsupported_reason(model.config, batch) or batch > AUTO_MAX_BATCH:
+        return False
+    require_gpu()
+    try:
+        fit(compile_kernel(2, defines(model.config, batch, device_info()["sm"])), model.config, batch)
+    except MegakernelUnavailable:
+        return False
+    return True
+
+
+class MegakernelDecoder(Decoder):
+    """Decodes one batch with the megakernel: one launch runs every layer of a step (or several steps).
+    Decoder's prefill and checks; its own launches, pipelining and sampling loop (the kernel advances the
+    positions itself and reports a timeout in an error flag). Memory beyond the graph decoder's: a transposed
+    copy of every layer's mlp c_proj (4 C^2 floats per layer: 113 MB for the 124M model)."""
+
+    mode = "megakernel"
+    threads, unroll = THREADS, UNROLL       # the build (the lab's variant builds change them)
+
+    def __init__(self, model, batch: int, length: int, greedy: bool = True, version: int = 2,
+                 steps_per_launch: int = 1, timeout_s: float = TIMEOUT_S):
+        require_gpu()
+        import cupy as cp
+        cfg = model.config
+        reason = unsupported_reason(cfg, batch)
+        if reason:
+            raise MegakernelUnavailable(reason)
+        expect_choice(version, "version", (1, 2))
+        if not isinstance(steps_per_launch, (int, np.integer)) or steps_per_launch < 1:
+            raise ValueError(f"steps_per_launch: expected an integer >= 1, got {steps_per_launch!r}")
+        if not (timeout_s > 0 and np.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(length, (int, np.integer)) or not 1 <= length <= cfg.block_size:
+            raise ValueError(f"length: the KV cache holds 1 .. block_size={cfg.block_size} positions, got {length!r}")
+        if not greedy and steps_per_launch != 1:
+            raise ValueError("steps_per_launch: sampling (greedy=False) chooses each token on the host, "
+                             "so it needs steps_per_launch=1")
+        self.version, self.steps_per_launch = version, int(steps_per_launch)
+        self.timeout_ns = int(timeout_s * 1e9)
+
+        self.fn = self._compile(defines(cfg, batch, device_info()["sm"], self.threads, self.unroll))
+        self.smem, per_sm = fit(self.fn, cfg, batch, self.threads, self.unroll)
+        self.grid = self._grid(per_sm)
+        self.resident_per_sm = per_sm
+
+        self._allocate(model, batch, length, greedy)
+        B, C, H, D, L = self.batch, cfg.n_embd, cfg.n_head, cfg.head_dim, self.length
+        warps = self.grid * (self.threads // 32)
+        self.nch = max(-(-L // ATT_MAXCL), min(-(-L // 32), max(1, warps // (B * H))))
+        self.work = cp.zeros(B * C * 4 + B * H * self.nch * (D + 2), cp.float32)     # x, q, att, acc, partials
+        self.sync = cp.zeros(SYNC_FIXED + H + B * H, cp.uint32)
+        self.amax = cp.zeros(B, cp.uint64)
+        self.err = cp.zeros(8, cp.int32)
+        ptrs, mproj_t = [], {}
+        for i, blk in enumerate(model.h):
+            # the MLP's down projection is split over its inputs: each block reads whole rows of c_proj^T
+            # (4C x C, as the checkpoint stores it), so the decoder keeps that copy (4C x C floats per layer;
+            # one per matrix: layers that share their weights share it too)
+            key = (blk.mlp_proj.data.ptr, blk.mlp_proj.shape, blk.mlp_proj.strides)
+            if key not in mproj_t:
+                mproj_t[key] = cp.ascontiguousarray(blk.mlp_proj.T)
+            ptrs += [blk.ln_1[0], blk.ln_1[1], blk.c_attn, blk.c_attn_b, blk.c_proj, blk.c_proj_b, blk.ln_2[0],
+                     blk.ln_2[1], blk.c_fc, blk.c_fc_b, mproj_t[key], blk.mlp_proj_b, self.state.cache.k[i],
+                     self.state.cache.v[i]]
+        if len(ptrs) != cfg.n_layer * LW_COUNT:
+            raise RuntimeError("megakernel: the layer pointer table does not match megakernel.cuh's LW_COUNT")
+        self.ptrs = cp.asarray(np.array([a.data.ptr for a in ptrs], np.uint64))
+        self._keep = ptrs                       # the table holds raw addresses: keep the arrays alive
+        self.epoch = 0                          # steps run on these counters (v2 targets)
+        self.barriers = 0                       # v1: barrier arrivals so far (the counter's value)
+        cp.cuda.runtime.deviceSynchronize()     # its zeroed buffers and table exist before a launch on self.stream
+
+    def _compile(self, defines: dict):
+        """The kernel this decoder launches (the lab's builds compile their own .cu)."""
+        return compile_kernel(self.version, defines)
+
+    def _grid(self, per_sm: int) -> int:
+        """One block per SM: each keeps its share of every stage's weights streaming."""
+        return device_info()["multiprocessors"]
+
+    # ------------------------------------------------------------------ the Decoder interface
+    def _info(self) -> dict:
+        return {"mode": self.mode, "version": self.version, "grid": self.grid,
+                "steps_per_launch": self.steps_per_launch}
+
+    def decode(self, n_steps: int, choose=None):
+        """Decoder.decode; a timeout inside the kernel raises MegakernelTimeout once the stream is idle."""
+        try:
+            yield from super().decode(n_steps, choose)
+        finally:
+            self.check()
+
+    # ------------------------------------------------------------------ launching
+    def launch(self, nsteps: int = 1, out_tokens=None) -> None:
+        """Enqueue one launch of nsteps greedy steps on self.stream (no host sync). out_tokens: an int32
+        (nsteps, B) device array for every step's tokens, or None."""
+        self._enqueue(nsteps, out_tokens)
+
+    def _enqueue(self, nsteps: int, out_tokens, stall_block: int = -1, timeline=None) -> None:
+        """launch(); the last two are the kernel's test and measurement hooks (the lab passes them)."""
+        if not isinstance(nsteps, (int, np.integer)) or nsteps < 1:
+            raise ValueError(f"nsteps: expected an integer >= 1, got {nsteps!r}")
+        self._check_room(nsteps, "nsteps", "launch")
+        self._rows += int(nsteps)
+        w, s = self.model, self.state
+        args = (self.ptrs, w.wte, w.wpe, w.ln_f[0], w.ln_f[1], s.tokens, s.pos, s.lens, self.work, self.sync,
+                self.amax, s.logits, out_tokens if out_tokens is not None else np.uint64(0), np.int32(self.length),
+                np.int32(self.nch), np.int32(nsteps), np.uint32(self.epoch % 2**32),
+                np.uint32(self.barriers % 2**32), np.int64(self.timeout_ns), np.int32(stall_block), self.err,
+                timeline if timeline is not None else np.uint64(0))
+        with self.stream:
+            self.fn((self.grid,), (self.threads,), args, shared_mem=self.smem)
+        self.epoch += nsteps
+        self.barriers += self.grid * (nsteps * stages_per_step(self.model.config.n_layer) - 1)   # v1: not the first
+
+    def check(self) -> None:
+        """Raise MegakernelTimeout if a launch reported a timeout (and reset the counters for the next run)."""
+        e = [int(v) for v in self.err.get()]    # Python ints: the counters are printed as unsigned below
+        if e[0] == 0:
+            return
+        self.reset()
+        if e[0] == 2:
+            raise RuntimeError(f"megakernel: launched with {e[5]:,} B of dynamic shared memory, its layout needs "
+                               f"{e[6]:,} B (smem_bytes and megakernel_v{self.version}.cu disagree)")
+        stage = STAGES[e[2]] if 0 <= e[2] < len(STAGES) else f"#{e[2]}"
+        raise MegakernelTimeout(
+            f"megakernel: block {e[1]} waited more than {self.timeout_ns / 1e9:g} s at stage {stage!r} of layer "
+            f"{e[3]}, step {e[4]} of its launch (counter {e[6] & 0xffffffff} of {e[5] & 0xffffffff}): another block "
+            f"never signalled. Are all {self.grid} blocks resident (another kernel running concurrently?)")
+
+    def reset(self) -> None:
+        """Zero the counters and the error flag (after an error the counters' values mean nothing)."""
+        self.stream.synchronize()
+        self.sync.fill(0)
+        self.amax.fill(0)
+        self.err.fill(0)
+        self.epoch = self.barriers = 0
+        import cupy as cp
+        cp.cuda.runtime.deviceSynchronize()
+
+    def _pipelined(self, n_steps: int):
+        import cupy as cp
+        import cupyx
+        k, depth = self.steps_per_launch, self.pipeline_depth
+        ring = cupyx.empty_pinned((depth + 1, k, self.batch), np.int32)
+        errs = cupyx.empty_pinned((depth + 1, 8), np.int32)
+        dev = cp.empty((depth + 1, k, self.batch), cp.int32)
+        launched, pending, slot = 0, [], 0
+        while True:
+            while launched < n_steps and len(pending) < depth:
+                n = min(k, n_steps - launched)
+                with self.stream:
+                    self.launch(n, dev[slot])
+                    dev[slot, :n].get(stream=self.stream, out=ring[slot, :n], blocking=False)
+                    self.err.get(stream=self.stream, out=errs[slot], blocking=False)
+                    pending.append((self.stream.record(), slot, n))
+                slot = (slot + 1) % (depth + 1)
+                launched += n
+            if not pending:
+                return
+            event, s, n = pending.pop(0)
+            event.synchronize()
+            if errs[s, 0]:
+                self.stream.synchronize()
+                self.check()
+            for j in range(n):
+                yield ring[s, j].copy()
+
+    def _sampled(self, n_steps: int, choose):
+        s = self.state
+        for _ in range(n_steps):
+            with self.stream:
+                self.launch(1)                       # the kernel advances pos/lens; its argmax is replaced
+                self._choose(s.logits, choose)
+                host = s.tokens.get()
+            self.check()
+            yield host
+
+
+__all__ = ["MegakernelDecoder", "MegakernelUnavailable", "MegakernelTimeout", "supports", "unsupported_reason",
+           "defines", "smem_bytes", "rows", "stages_per_step", "STAGES", "AUTO_MAX_BATCH"]
