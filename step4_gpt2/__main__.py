@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         require_gpu()
     except RuntimeError as e:            # no GPU / driver: the message alone, no traceback
         print(e, file=sys.stderr)
-        return 2
+        return 1
     print(describe(), file=sys.stderr)
     # random weights (offline): load() prints the gibberish notice, once, to stderr (stdout is the text)
     cfg, params, _ = weights.load(args.model, path=args.weights, notice="stderr")

@@ -163,15 +163,13 @@ class Decoder:
         self.warmed = False           # one eager step has run (kernels compiled, workspaces allocated)
         self._allocate(model, batch, length, greedy)
 
-    def _allocate(self, model, batch: int, length: int, greedy: bool, pipeline_depth: int = PIPELINE_DEPTH) -> None:
+    def _allocate(self, model, batch: int, length: int, greedy: bool) -> None:
         """What every decoder has, whatever runs its steps: the decode state (KV cache, tokens, positions,
         logits) and the stream its work is queued on."""
         import cupy as cp
         from step4_gpt2.model import DecodeState
-        if not isinstance(pipeline_depth, (int, np.integer)) or pipeline_depth < 1:
-            raise ValueError(f"pipeline_depth: expected an integer >= 1, got {pipeline_depth!r}")
         self.model, self.batch, self.length, self.greedy = model, int(batch), int(length), bool(greedy)
-        self.pipeline_depth = int(pipeline_depth)
+        self.pipeline_depth = PIPELINE_DEPTH
         self.state = DecodeState(model.config, batch, length)
         # the state is filled on the current stream; this decoder's non-blocking stream does not wait for it
         cp.cuda.get_current_stream().synchronize()

@@ -75,7 +75,7 @@ def encode(text: str) -> list[int]:
     return get_encoding().encode(text, allowed_special={ENDOFTEXT})
 
 
-def check_ids(ids, n_vocab: int, name: str = "ids") -> list[int]:
+def _id_list(ids, n_vocab: int, name: str = "ids") -> list[int]:
     """ids as a list of Python ints, each in [0, n_vocab) (common.expect_token_ids: a TypeError naming a
     non-integer such as 3.7, "5" or None, a ValueError naming an id out of range, with its position)."""
     from common import expect_token_ids
@@ -84,7 +84,7 @@ def check_ids(ids, n_vocab: int, name: str = "ids") -> list[int]:
 
 def decode(ids) -> str:
     """The text of GPT-2 token ids (a TypeError / ValueError naming a bad id)."""
-    return get_encoding().decode(check_ids(ids, 50257))
+    return get_encoding().decode(_id_list(ids, 50257))
 
 
 class BPETokenizer:
@@ -98,7 +98,7 @@ class BPETokenizer:
         return decode(ids)
 
     def decode_bytes(self, ids) -> bytes:
-        return get_encoding().decode_bytes(check_ids(ids, self.n_vocab))
+        return get_encoding().decode_bytes(_id_list(ids, self.n_vocab))
 
 
 class CharTokenizer:
@@ -144,7 +144,7 @@ class CharTokenizer:
                              f"model's {self.n_vocab}-character vocabulary") from None
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in check_ids(ids, self.n_vocab))
+        return "".join(self.chars[i] for i in _id_list(ids, self.n_vocab))
 
     def decode_bytes(self, ids) -> bytes:
         return self.decode(ids).encode()

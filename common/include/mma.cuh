@@ -1,5 +1,5 @@
 // mma.cuh - the tensor-core helpers of step 2b, shared by step2_attention/mma_tile.cu (whose v1 writes the
-// instruction out), step2_attention/flash_attention_tc.cu and step4_gpt2/train_attention_tc.cu (which use them).
+// instruction out), step2_attention/flash_attention_tc.cu and step4_gpt2/train/attention_tc.cu (which use them).
 // Included with #include "mma.cuh" (common/include is on the include path).
 //
 // Architectures: everything here needs sm_75 (ldmatrix, mma.sync m16n8k8), so it is compiled only there and

@@ -1,6 +1,6 @@
 """Step 4a's lab (step4_gpt2/lab/): the decoders the benchmarks switch (TunedDecoder, NoCacheDecoder) and the
-marks between a decode step's ops (timeline.marked). These tests were in tests/step4/test_step4_gpt2.py while the
-switches lived in the reading path's Decoder and decode_step; the reading path's own tests stay there."""
+marks between a decode step's ops (timeline.marked): that each switch gives the reading path's tokens, rejects bad
+values by name, and that the marks name every op of a step. The reading path's own tests are in test_step4_gpt2.py."""
 import numpy as np
 import pytest
 
