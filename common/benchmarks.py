@@ -111,20 +111,25 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def module_main(module: str, doc: str, run, argv=None, parser: argparse.ArgumentParser | None = None) -> int:
+def module_main(module: str, doc: str, run, argv=None, parser: argparse.ArgumentParser | None = None,
+                validate=None) -> int:
     """The `python -m <benchmark module>` entry point every benchmark module shares: --help without a GPU, the
     course's one-line message instead of a traceback on a machine without one, then the table of run()'s rows.
-    A module with options of its own passes its parser; run() then receives the parsed arguments."""
+    A module with options of its own passes its parser (and validate(args, parser), which may parser.error()
+    before any GPU work); run() then receives the parsed arguments and returns rows or a finished text."""
     p = parser or argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     args = p.parse_args(argv)
+    if validate:
+        validate(args, p)
     from common.device import require_gpu
     try:
         require_gpu()
     except RuntimeError as e:            # no GPU / driver: the message alone, no traceback
         print(e, file=sys.stderr)
         return 1
-    print(table(run(args) if parser else run()))
+    out = run(args) if parser else run()
+    print(out if isinstance(out, str) else table(out))
     return 0
 
 
@@ -587,6 +592,13 @@ def main(argv=None) -> int:
     print(describe(), flush=True)
     print(f"copy bandwidth (read + write): {copy_bandwidth():,.0f} GB/s", flush=True)
     rows, failed = [], []
+
+    def save() -> dict:                   # after every family: a run cut short keeps what it measured
+        result = {"device": device_info(), "date": datetime.date.today().isoformat(),
+                  "copy_bandwidth_gbps": copy_bandwidth(), "rows": [r.record() for r in rows], "failed": failed}
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
+
     for name, module, function in jobs:
         label = module if function is None else f"{module}.{function}()"
         print(f"\n== {label}", flush=True)
@@ -602,10 +614,9 @@ def main(argv=None) -> int:
             r.step, r.family = module.split(".")[0], family_of(name, module, function)
         print(table(new), flush=True)
         rows += new
+        save()
     print("\n" + table(rows))
-    result = {"device": device_info(), "date": datetime.date.today().isoformat(),
-              "copy_bandwidth_gbps": copy_bandwidth(), "rows": [r.record() for r in rows], "failed": failed}
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    result = save()
     print(f"\nwrote {args.json}")
     write_pages(result, args.markdown, args.readme)
     if failed:

@@ -76,13 +76,18 @@ def kernel_requests(py) -> list[tuple[Path, str, int]]:
             if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) != "get_kernel":
                 continue
             path = call.args[0]
-            if isinstance(path, ast.Name):        # a module-level constant such as BWD = HERE / "train_backward.cu"
+            table = isinstance(path, ast.Subscript) and isinstance(path.value, ast.Name)
+            if table:                             # a module-level dict of them, e.g. SOURCES[version]
+                path = module_constant(path.value.id) or path
+            elif isinstance(path, ast.Name):      # a module-level constant such as BWD = HERE / "train_backward.cu"
                 path = module_constant(path.id) or path
             cu = [n.value for n in ast.walk(path) if isinstance(n, ast.Constant)
                   and isinstance(n.value, str) and n.value.endswith(".cu")]
-            assert len(cu) == 1, f"{py}:{call.lineno}: get_kernel's path names no .cu file"
+            assert len(cu) == 1 or (table and isinstance(path, ast.Dict) and len(cu) == len(path.values)), \
+                f"{py}:{call.lineno}: get_kernel's path names no .cu file"
             for pattern in patterns(call.args[1], scope):
-                found.add(((py.parent / cu[0]).resolve(), pattern, call.lineno))
+                for c in cu:
+                    found.add(((py.parent / c).resolve(), pattern, call.lineno))
     return sorted(found)
 
 

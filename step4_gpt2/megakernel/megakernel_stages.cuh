@@ -303,7 +303,7 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
     __syncwarp();
     if (proj_merges(nch)) {                                     // the projection merges the chunks as it reads them
 #if MK_VERSION == 2
-        if (lane == 0 && (int)blockIdx.x != ctl.stall_block) red_release(ctl.sync + S_ATT_DONE, 1u);
+        if (lane == 0 && MK_SIGNALS()) red_release(ctl.sync + S_ATT_DONE, 1u);
 #endif
         return;
     }
@@ -338,7 +338,7 @@ __device__ void attention_unit(int u, int nch, int CL, const float* q, const flo
     for (int j = 0; j < OPL; ++j) att[b * C + h * HD + lane + 32 * j] = acc[j] / Ls;
 #if MK_VERSION == 2
     __syncwarp();
-    if (lane == 0 && (int)blockIdx.x != ctl.stall_block) red_release(ctl.sync + S_ATT_DONE, 1u);
+    if (lane == 0 && MK_SIGNALS()) red_release(ctl.sync + S_ATT_DONE, 1u);
 #endif
 }
 

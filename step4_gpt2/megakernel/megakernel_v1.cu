@@ -23,7 +23,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                   const float* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
                   int* tokens, int* pos, int* lens, float* ws, unsigned* sync, unsigned long long* amax,
                   float* logits, int* out_tokens, int L, int nch, int nsteps, unsigned epoch, unsigned bar_base,
-                  long long timeout_ns, int stall_block, int* err, unsigned long long* timeline) {
+                  long long timeout_ns, int* err) {
     extern __shared__ float4 smem4[];
     float* xs = reinterpret_cast<float*>(smem4);                            // NB x C
     float* dn = xs + NB * C;                                                // MLP_KG x NB x C
@@ -35,7 +35,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
     __shared__ unsigned long long sbest[NB];
     __shared__ int s_abort;
 
-    const Ctl ctl{sync, err, timeout_ns, stall_block, timeline, nsteps * STAGES_PER_STEP};
+    const Ctl ctl{sync, err, timeout_ns};
     Work wk;
     wk.x = ws;
     wk.q = wk.x + NB * C;
@@ -74,11 +74,11 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             int sidx = step * STAGES_PER_STEP + layer * STAGES_PER_LAYER;
 
             // ================= QKV: x -> LayerNorm -> q, k/v appended
-            MK_STAMP(ctl, sidx, 0);
+            MK_STAMP(sidx, 0);
             if (step > 0 || layer > 0) {
                 if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_QKV, layer, step})) return;
             }
-            MK_STAMP(ctl, sidx, 1);
+            MK_STAMP(sidx, 1);
             if (threadIdx.x < NB) {
                 stok[threadIdx.x] = __ldcg(tokens + threadIdx.x);
                 spos[threadIdx.x] = __ldcg(pos + threadIdx.x);
@@ -93,28 +93,28 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 tile_range<3 * C>(rg0, rg1);
                 gemv_tile<C, 3 * C, EPI_QKV>(w, false, Wattn, xs, part, e, rg0, rg1);
             }
-            MK_STAMP(ctl, sidx, 2);
+            MK_STAMP(sidx, 2);
 
             // ================= ATT
             ++sidx;
-            MK_STAMP(ctl, sidx, 0);
+            MK_STAMP(sidx, 0);
             const int CL = att_chunk_len(slens, nch);
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_ATT, layer, step})) return;
-            MK_STAMP(ctl, sidx, 1);
+            MK_STAMP(sidx, 1);
             for (int u = att_unit(warp); u < NB * NH * nch; u += G * NWARPS) {
                 attention_unit(u, nch, CL, wk.q, kc, vc, wk.partial, wk.att, sync + S_ATTC0, gl, slens, L,
                                sq + warp * HD, sp + warp * ATT_MAXCL, ctl);
             }
             __syncthreads();
             if (s_abort) return;
-            MK_STAMP(ctl, sidx, 2);
+            MK_STAMP(sidx, 2);
 
             // ================= PROJ: x += att W^T + b (+ the last layer's MLP sums, acc, which it zeroes)
             ++sidx;
-            MK_STAMP(ctl, sidx, 0);
+            MK_STAMP(sidx, 0);
             float pre = 0.0f;
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_PROJ, layer, step})) return;
-            MK_STAMP(ctl, sidx, 1);
+            MK_STAMP(sidx, 1);
             if (proj_merges(nch)) merge_rows(wk.partial, xs, nch);
             else copy_rows(wk.att, xs, NB * C / 4);
             {
@@ -124,13 +124,13 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 tile_range<C>(rg0, rg1);
                 gemv_tile<C, C, EPI_RESID>(w, false, Wproj, xs, part, e, rg0, rg1);
             }
-            MK_STAMP(ctl, sidx, 2);
+            MK_STAMP(sidx, 2);
 
             // ================= MLP: acc += gelu(LayerNorm(x) Wfc^T + bfc) Wmproj^T (+ bmproj), split over h
             ++sidx;
-            MK_STAMP(ctl, sidx, 0);
+            MK_STAMP(sidx, 0);
             if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_MLP, layer, step})) return;
-            MK_STAMP(ctl, sidx, 1);
+            MK_STAMP(sidx, 1);
             ln_rows(wk.x, nullptr, (const float*)P[LW_LN2W], (const float*)P[LW_LN2B], xs, false, wte, wpe, stok,
                     spos, wk.x);
             {
@@ -151,15 +151,15 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                              min(c1 * R, 4 * C), dn, wk.acc);
                 }
             }
-            MK_STAMP(ctl, sidx, 2);
+            MK_STAMP(sidx, 2);
         }
 
         // ================= LM head: logits = LayerNorm_f(x + acc) wte^T, greedy choice
         const int sidx = step * STAGES_PER_STEP + STAGES_PER_LAYER * NL;
-        MK_STAMP(ctl, sidx, 0);
+        MK_STAMP(sidx, 0);
         if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;
         if (!grid_barrier(sync + S_BAR, bar, ctl, Where{ST_LM, NL, step})) return;
-        MK_STAMP(ctl, sidx, 1);
+        MK_STAMP(sidx, 1);
         ln_rows(wk.x, wk.acc, lnf_w, lnf_b, xs, false, wte, wpe, stok, spos, wk.x);
         {
             const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr, 0, 0, false, 0.0f};
@@ -170,7 +170,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         if (threadIdx.x < NB && sbest[threadIdx.x]) atomicMax(amax + threadIdx.x, sbest[threadIdx.x]);
         __syncthreads();
         // the last block to finish the LM head writes the tokens and advances the positions
-        if (threadIdx.x == 0 && (int)blockIdx.x != stall_block) {
+        if (threadIdx.x == 0 && MK_SIGNALS()) {
             __threadfence();
             const unsigned done = atomicAdd(sync + S_LM_DONE, 1u);
             if (done == (gs + 1) * G - 1) {
@@ -187,7 +187,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 __threadfence();
             }
         }
-        MK_STAMP(ctl, sidx, 2);
+        MK_STAMP(sidx, 2);
         (void)lane;
     }
 }

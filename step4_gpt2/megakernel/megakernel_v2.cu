@@ -27,7 +27,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                   const float* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
                   int* tokens, int* pos, int* lens, float* ws, unsigned* sync, unsigned long long* amax,
                   float* logits, int* out_tokens, int L, int nch, int nsteps, unsigned epoch, unsigned bar_base,
-                  long long timeout_ns, int stall_block, int* err, unsigned long long* timeline) {
+                  long long timeout_ns, int* err) {
     extern __shared__ float4 smem4[];
     float* xs = reinterpret_cast<float*>(smem4);                            // NB x C
     float* dn = xs + NB * C;                                                // MLP_KG x NB x C
@@ -39,7 +39,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
     __shared__ unsigned long long sbest[NB];
     __shared__ int s_abort;
 
-    const Ctl ctl{sync, err, timeout_ns, stall_block, timeline, nsteps * STAGES_PER_STEP};
+    const Ctl ctl{sync, err, timeout_ns};
     Work wk;
     wk.x = ws;
     wk.q = wk.x + NB * C;
@@ -78,11 +78,11 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             int sidx = step * STAGES_PER_STEP + layer * STAGES_PER_LAYER;
 
             // ================= QKV: x -> LayerNorm -> q, k/v appended
-            MK_STAMP(ctl, sidx, 0);
+            MK_STAMP(sidx, 0);
             prefetch_tile<C, C, EPI_RESID>(Wproj);     // two stages ahead: attention reads no weights
             gemv_preload<C, 3 * C, EPI_QKV>(w, Wattn);
             if (layer > 0 && !block_wait(sync + S_X2_DONE, gl * G, ctl, Where{ST_QKV, layer, step})) return;
-            MK_STAMP(ctl, sidx, 1);
+            MK_STAMP(sidx, 1);
             if (threadIdx.x < NB) {
                 stok[threadIdx.x] = __ldcg(tokens + threadIdx.x);
                 spos[threadIdx.x] = __ldcg(pos + threadIdx.x);
@@ -102,18 +102,18 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 tile_range<3 * C>(rg0, rg1);
                 const int v0 = rg0 * R, v1 = min(rg1 * R, 3 * C);
                 __syncthreads();
-                if (threadIdx.x == 0 && (int)blockIdx.x != stall_block && v1 > v0) {
+                if (threadIdx.x == 0 && MK_SIGNALS() && v1 > v0) {
                     for (int hh = v0 / (3 * HD); hh <= (v1 - 1) / (3 * HD); ++hh) {
                         const int a = max(v0, hh * 3 * HD), z = min(v1, (hh + 1) * 3 * HD);
                         red_release(sync + S_HEAD0 + hh, (unsigned)(z - a));
                     }
                 }
             }
-            MK_STAMP(ctl, sidx, 2);
+            MK_STAMP(sidx, 2);
 
             // ================= ATT
             ++sidx;
-            MK_STAMP(ctl, sidx, 0);
+            MK_STAMP(sidx, 0);
             const int CL = att_chunk_len(slens, nch);
             prefetch_attention(kc, vc, nch, CL, slens, L);
             bool stamped = false;
@@ -124,18 +124,18 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 ok = __shfl_sync(FULL_MASK, ok, 0);
                 __syncwarp();                           // lane 0's acquire, passed on to the warp
                 if (!ok) { s_abort = 1; break; }
-                if (!stamped) { MK_STAMP(ctl, sidx, 1); stamped = true; }
+                if (!stamped) { MK_STAMP(sidx, 1); stamped = true; }
                 attention_unit(u, nch, CL, wk.q, kc, vc, wk.partial, wk.att, sync + S_ATTC0, gl, slens, L,
                                sq + warp * HD, sp + warp * ATT_MAXCL, ctl);
             }
             __syncthreads();
             if (s_abort) return;
             prefetch_tile<C, 4 * C, EPI_GELU>(Wfc);        // two stages ahead, once this block's units are done
-            MK_STAMP(ctl, sidx, 2);
+            MK_STAMP(sidx, 2);
 
             // ================= PROJ: x += att W^T + b (+ the last layer's MLP sums, acc, which it zeroes)
             ++sidx;
-            MK_STAMP(ctl, sidx, 0);
+            MK_STAMP(sidx, 0);
             float pre = 0.0f;
             {   // the MLP's down-projection rows of this block (all of them: it loads them at once)
                 int rg0, rg1;
@@ -146,7 +146,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             if (MK_PRE_RESID) pre = resid_preload(wk.x, wk.acc, (const float*)P[LW_PROJB], layer, wte, wpe, stok, spos);
             if (!block_wait(sync + S_ATT_DONE, (gl + 1) * NB * NH * (proj_merges(nch) ? nch : 1), ctl,
                             Where{ST_PROJ, layer, step})) return;
-            MK_STAMP(ctl, sidx, 1);
+            MK_STAMP(sidx, 1);
             if (proj_merges(nch)) merge_rows(wk.partial, xs, nch);
             else copy_rows(wk.att, xs, NB * C / 4);
             {
@@ -157,11 +157,11 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 gemv_tile<C, C, EPI_RESID>(w, true, Wproj, xs, part, e, rg0, rg1);
             }
             block_signal(sync + S_X_DONE, 1, ctl);
-            MK_STAMP(ctl, sidx, 2);
+            MK_STAMP(sidx, 2);
 
             // ================= MLP: acc += gelu(LayerNorm(x) Wfc^T + bfc) Wmproj^T (+ bmproj), split over h
             ++sidx;
-            MK_STAMP(ctl, sidx, 0);
+            MK_STAMP(sidx, 0);
             {   // the stage after this one: the next layer's QKV rows, or the LM head's first waves
                 const unsigned long long* Pn = lw + (layer + 1 < NL ? layer + 1 : layer) * LW_COUNT;
                 if (layer + 1 < NL) prefetch_tile<C, 3 * C, EPI_QKV>((const float*)Pn[LW_ATTNW]);
@@ -169,7 +169,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             }
             gemv_preload<C, 4 * C, EPI_GELU>(w, Wfc);
             if (!block_wait(sync + S_X_DONE, (gl + 1) * G, ctl, Where{ST_MLP, layer, step})) return;
-            MK_STAMP(ctl, sidx, 1);
+            MK_STAMP(sidx, 1);
             ln_rows(wk.x, nullptr, (const float*)P[LW_LN2W], (const float*)P[LW_LN2B], xs, false, wte, wpe, stok,
                     spos, wk.x);
             {
@@ -191,16 +191,16 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 }
             }
             block_signal(sync + S_X2_DONE, 1, ctl);
-            MK_STAMP(ctl, sidx, 2);
+            MK_STAMP(sidx, 2);
         }
 
         // ================= LM head: logits = LayerNorm_f(x + acc) wte^T, greedy choice
         const int sidx = step * STAGES_PER_STEP + STAGES_PER_LAYER * NL;
-        MK_STAMP(ctl, sidx, 0);
+        MK_STAMP(sidx, 0);
         if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;
         gemv_preload<C, VOCAB, EPI_LOGITS>(w, wte);
         if (!block_wait(sync + S_X2_DONE, (gs * NL + NL) * G, ctl, Where{ST_LM, NL, step})) return;
-        MK_STAMP(ctl, sidx, 1);
+        MK_STAMP(sidx, 1);
         ln_rows(wk.x, wk.acc, lnf_w, lnf_b, xs, false, wte, wpe, stok, spos, wk.x);
         {
             const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr, 0, 0, false, 0.0f};
@@ -211,7 +211,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         if (threadIdx.x < NB && sbest[threadIdx.x]) atomicMax(amax + threadIdx.x, sbest[threadIdx.x]);
         __syncthreads();
         // the last block to finish the LM head writes the tokens and advances the positions
-        if (threadIdx.x == 0 && (int)blockIdx.x != stall_block) {
+        if (threadIdx.x == 0 && MK_SIGNALS()) {
             __threadfence();
             const unsigned done = atomicAdd(sync + S_LM_DONE, 1u);
             if (done == (gs + 1) * G - 1) {
@@ -229,7 +229,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 atomicAdd(sync + S_TOK_DONE, 1u);
             }
         }
-        MK_STAMP(ctl, sidx, 2);
+        MK_STAMP(sidx, 2);
         (void)lane;
     }
 }

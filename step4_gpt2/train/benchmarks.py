@@ -542,7 +542,7 @@ def report(directory, quality_steps: int = 600, compile_torch: bool = True) -> s
 
 def main(argv=None) -> int:
     import argparse
-    import sys
+    from common.benchmarks import module_main
     ap = argparse.ArgumentParser(prog="python -m step4_gpt2.train.benchmarks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report", metavar="DIR", help="also the gradient check, the quality run and a sample, "
@@ -552,26 +552,23 @@ def main(argv=None) -> int:
     ap.add_argument("--tf32", action="store_true", help="only the training-step rows, with TF32 GEMMs on both sides")
     ap.add_argument("--timeline", action="store_true", help="only the timeline of the TF32 step's CUDA graph "
                                                             "(idle gaps, each kernel's time in the step; needs torch)")
-    args = ap.parse_args(argv)
-    if args.tf32 and args.report:
-        ap.error("--tf32 runs the training-step rows only; run --report without it")
-    if args.quality_steps < 1:
-        ap.error(f"--quality-steps: expected a positive number of steps, got {args.quality_steps}")
-    from common.benchmarks import table
-    try:
-        common.require_gpu()
-    except RuntimeError as e:            # no GPU / driver: the message alone, no traceback, nothing written
-        print(e, file=sys.stderr)
-        return 1
-    if args.timeline:
-        print(table(train_timeline_rows()))
-    elif args.tf32:
-        print(table(train_throughput_rows(compile_torch=not args.no_compile, tf32=True) + train_variant_rows(tf32=True)))
-    elif args.report:
-        print(report(args.report, args.quality_steps, not args.no_compile))
-    else:
-        print(table(run(compile_torch=not args.no_compile)))
-    return 0
+
+    def validate(args, ap):
+        if args.tf32 and args.report:
+            ap.error("--tf32 runs the training-step rows only; run --report without it")
+        if args.quality_steps < 1:
+            ap.error(f"--quality-steps: expected a positive number of steps, got {args.quality_steps}")
+
+    def chosen(args):
+        if args.timeline:
+            return train_timeline_rows()
+        if args.tf32:
+            return train_throughput_rows(compile_torch=not args.no_compile, tf32=True) + train_variant_rows(tf32=True)
+        if args.report:
+            return report(args.report, args.quality_steps, not args.no_compile)
+        return run(compile_torch=not args.no_compile)
+
+    return module_main("step4_gpt2.train.benchmarks", __doc__, chosen, argv, ap, validate)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Lesson 4c's lab (step4_gpt2/megakernel/lab/): the megakernel's measurement builds and test hooks, not the
 kernel the notebook teaches from (tests/step4/test_step4_megakernel.py tests that one).
 
-CPU (CI): the lab's builds (the timeline, weights kept in L2, other block sizes and unrolls) compile without
-warnings or spills; the timeline's breakdown; the lab decoder's own argument checks. GPU: the in-kernel timeline
-stamps every stage in order; the floor's model (every layer = layer 0) with its weights streamed or kept in
-L2 matches the float64 reference; hops.cu's costs; a block that never signals (stall_block) raises a timeout
-instead of hanging, and the decoder recovers. `sanitize`: a capped grid (max_blocks) small enough for
-compute-sanitizer (tests/sanitize.py)."""
+CPU (CI): the lab's builds (the timeline, the stall build, weights kept in L2, other block sizes and unrolls)
+compile without warnings or spills; the timeline's breakdown; the lab decoder's own argument checks. GPU: the
+in-kernel timeline stamps every stage in order; the floor's model (every layer = layer 0) with its weights
+streamed or kept in L2 matches the float64 reference; hops.cu's costs; a block that never signals (the stall
+build, launch(stall_block=b)) makes the others time out instead of hanging, the decoder raises and recovers.
+`sanitize`: a capped grid (max_blocks) small enough for compute-sanitizer (tests/sanitize.py)."""
 import numpy as np
 import pytest
 
@@ -31,11 +31,19 @@ def test_timeline_build_compiles(cfg, batch, version):
     assert M.KERNEL in compile_offline(LD.TIMELINE, 90, d).kernels
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("version", [1, 2])
+def test_stall_build_compiles_without_spills(arch, version):
+    """lab/megakernel_stall.cu: the mainline version with one block that never signals (MK_STALL_BLOCK)."""
+    d = {**M.defines(G124, 8, sm=arch), "MK_VERSION": version, "MK_STALL_BLOCK": 3}
+    _compiles_without_spills(arch, d, LD.STALL)
+
+
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a >= 80])
 @pytest.mark.parametrize("threads,unroll", [(256, 3), (384, 1), (384, 2), (384, 4)])
 def test_batch_1_knob_builds_compile_without_spills(arch, threads, unroll):
     """The benchmark's knobs at batch 1 (rows() keeps 2 rows per item for them; 4 only for the defaults)."""
-    _compiles_without_spills(arch, M.defines(G124, 1, sm=arch, threads=threads, unroll=unroll), M.SOURCE_V2)
+    _compiles_without_spills(arch, M.defines(G124, 1, sm=arch, threads=threads, unroll=unroll), M.SOURCES[2])
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a >= 80])
@@ -136,6 +144,7 @@ def test_forced_timeout_raises_and_the_decoder_recovers(cp, version):
     prompts = _prompts(SMALL4, 2)
     dec = LD.LabMegakernelDecoder(model, 2, 40, version=version, timeout_s=0.05)
     first = dec.prefill(pad_prompts(prompts), [len(p) for p in prompts])
+    dec.stall_kernel(dec.grid - 1)                       # compiled before the clock starts
     t0 = time.perf_counter()
     dec.launch(1, stall_block=dec.grid - 1)               # that block never signals: everyone else times out
     with pytest.raises(M.MegakernelTimeout, match=r"block \d+ waited more than 0.05 s at stage"):

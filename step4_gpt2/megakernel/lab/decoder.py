@@ -11,8 +11,9 @@ Options beyond MegakernelDecoder's:
                      streaming hint), so it keeps what fits of them (the floor, lab/floor.py); release_l2() after
   threads, unroll    the block size (256, 384, 512) and float4 columns per lane per weight row in flight
   blocks_per_sm      resident blocks per SM (capped by the occupancy API)
-  max_blocks         cap the grid (the compute-sanitizer tests run a handful of blocks)
-  launch(..., stall_block=b)  block b never signals (the test of the timeout path)
+  max_blocks         cap the grid (the compute-sanitizer tests use a handful of blocks)
+  launch(..., stall_block=b)  block b never signals (the test of the timeout path): the launch runs the stall
+                     build (lab/megakernel_stall.cu, compiled with MK_STALL_BLOCK=b) of the decoder's version
 """
 from __future__ import annotations
 
@@ -20,17 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
-from common import device_info, expect_choice, get_kernel
+from common import device_info, expect_choice, get_kernel, load_module
 from step4_gpt2.megakernel.megakernel import (PER_LAYER, STAGES, THREADS, TIMEOUT_S, UNROLL, MegakernelDecoder,
-                                              defines, stages_per_step)
+                                              MegakernelUnavailable, defines, fit, stages_per_step)
 from step4_gpt2.weights import GPTConfig
 
 HERE = Path(__file__).resolve().parent
 TIMELINE = HERE / "megakernel_timeline.cu"
 KEEP_L2 = HERE / "megakernel_keep_l2.cu"
+STALL = HERE / "megakernel_stall.cu"
 
-# For tests/test_compile.py: GPT-2 124M at batch 1, as the mainline declares it (the timeline build: of v2).
-CU_DEFINES = {TIMELINE: {**defines(GPTConfig(), 1), "MK_VERSION": 2}, KEEP_L2: defines(GPTConfig(), 1)}
+# For tests/test_compile.py: GPT-2 124M at batch 1, as the mainline declares it (the timeline and stall builds:
+# of v2; the stall build with block 0 stalled).
+CU_DEFINES = {TIMELINE: {**defines(GPTConfig(), 1), "MK_VERSION": 2}, KEEP_L2: defines(GPTConfig(), 1),
+              STALL: {**defines(GPTConfig(), 1), "MK_VERSION": 2, "MK_STALL_BLOCK": 0}}
 
 
 def lab_defines(config, batch: int, version: int = 2, timeline: bool = False, threads: int = THREADS,
@@ -61,17 +65,42 @@ class LabMegakernelDecoder(MegakernelDecoder):
         self.timeline, self.keep_layers_in_l2 = bool(timeline), bool(keep_layers_in_l2)
         self.blocks_per_sm, self.max_blocks = int(blocks_per_sm), max_blocks
         self.last_timeline = None
+        self._stalled = {}                      # stall build per stalled block (stall_kernel)
         super().__init__(model, batch, length, greedy, version, steps_per_launch, timeout_s)
 
-    def _compile(self, defines: dict):
+    def _compile(self, constants: dict):
+        self._constants = constants             # the stall build's, with MK_STALL_BLOCK added
         if self.timeline:
-            return get_kernel(TIMELINE, "megakernel_decode", {**defines, "MK_VERSION": self.version})
+            built = {**constants, "MK_VERSION": self.version}
+            # where the stamps go: the build's __constant__ mk_timeline, a symbol of the module the kernel comes
+            # from (get_kernel loads its module through load_module, cached by path and defines: the same one)
+            self._timeline_symbol = load_module(TIMELINE, built).get_global("mk_timeline")
+            return get_kernel(TIMELINE, "megakernel_decode", built)
         if self.keep_layers_in_l2:
             if device_info()["sm"] < 80:
                 raise ValueError(f"keep_layers_in_l2: needs L2 eviction-priority hints (sm_80 or newer); this GPU "
                                  f"is sm_{device_info()['sm']}")
-            return get_kernel(KEEP_L2, "megakernel_decode", defines)
-        return super()._compile(defines)
+            return get_kernel(KEEP_L2, "megakernel_decode", constants)
+        return super()._compile(constants)
+
+    def stall_kernel(self, block: int):
+        """The stall build (lab/megakernel_stall.cu) of this decoder's version in which `block` never signals,
+        compiled once per block and allowed this decoder's shared memory: what launch(stall_block=block) runs."""
+        if self.timeline or self.keep_layers_in_l2:
+            raise ValueError("stall_block: the stall build is the mainline kernel's; not with timeline or "
+                             "keep_layers_in_l2")
+        if not isinstance(block, (int, np.integer)) or not 0 <= block < self.grid:
+            raise ValueError(f"stall_block: a block 0..{self.grid - 1} (or -1: none), got {block!r}")
+        block = int(block)
+        if block not in self._stalled:
+            fn = get_kernel(STALL, "megakernel_decode",
+                            {**self._constants, "MK_VERSION": self.version, "MK_STALL_BLOCK": block})
+            _, per_sm = fit(fn, self.model.config, self.batch, self.threads, self.unroll)
+            if per_sm * device_info()["multiprocessors"] < self.grid:
+                raise MegakernelUnavailable(f"stall_block: the stall build fits {per_sm} block(s) per SM, fewer "
+                                            f"than this decoder's grid of {self.grid} needs")
+            self._stalled[block] = fn
+        return self._stalled[block]
 
     def _grid(self, per_sm: int) -> int:
         grid = device_info()["multiprocessors"] * min(self.blocks_per_sm, per_sm)
@@ -82,18 +111,26 @@ class LabMegakernelDecoder(MegakernelDecoder):
                                            "threads": self.threads, "unroll": self.unroll}}
 
     def launch(self, nsteps: int = 1, out_tokens=None, stall_block: int = -1) -> None:
-        """MegakernelDecoder.launch; stall_block >= 0: that block never signals (the test of the timeout path).
-        With timeline=True the launch's stamps go to a fresh buffer (timeline_ms reads it)."""
+        """MegakernelDecoder.launch; stall_block >= 0: that block never signals (the test of the timeout path:
+        this launch runs stall_kernel(stall_block)). With timeline=True the launch's stamps go to a fresh buffer
+        (timeline_ms reads it)."""
         import cupy as cp
         if not isinstance(nsteps, (int, np.integer)) or nsteps < 1:
             raise ValueError(f"nsteps: expected an integer >= 1, got {nsteps!r}")
-        timeline = None
-        if self.timeline:
-            per_step = stages_per_step(self.model.config.n_layer)
-            with self.stream:                   # zeroed on the stream the kernel then runs on
-                timeline = cp.zeros((self.grid, nsteps * per_step, 3), cp.uint64)
-            self.last_timeline = timeline
-        self._enqueue(nsteps, out_tokens, stall_block, timeline)
+        mainline = self.fn
+        if stall_block != -1:
+            self.fn = self.stall_kernel(stall_block)
+        try:
+            if self.timeline:
+                per_step = stages_per_step(self.model.config.n_layer)
+                with self.stream:               # zeroed, and its address set, on the stream the kernel runs on
+                    timeline = cp.zeros((self.grid, nsteps * per_step, 3), cp.uint64)
+                    where = cp.ndarray((2,), cp.uint64, self._timeline_symbol)       # mk_timeline {stamps, per block}
+                    where.set(np.array([timeline.data.ptr, nsteps * per_step], np.uint64), stream=self.stream)
+                self.last_timeline = timeline
+            super().launch(nsteps, out_tokens)
+        finally:
+            self.fn = mainline
 
     def release_l2(self) -> None:
         """After a decoder built with keep_layers_in_l2: return the lines of the layers' weights to L2's normal
