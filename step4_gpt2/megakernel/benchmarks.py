@@ -23,7 +23,6 @@ streaming and the chain of hops and dependent loads (floor_rows).
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 
@@ -228,22 +227,8 @@ def run() -> list[Row]:
 
 
 def main(argv=None) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m step4_gpt2.megakernel.benchmarks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.parse_args(argv)
-    import common
-    try:
-        common.require_gpu()
-    except RuntimeError as e:            # no GPU / driver: the message alone, no traceback, nothing written
-        print(e, file=sys.stderr)
-        return 1
-    from common.benchmarks import table
-    from common.device import describe
-    print(describe())
-    print(f"copy bandwidth (read + write): {copy_bandwidth():,.0f} GB/s")
-    print(table(run()))
-    return 0
+    from common.benchmarks import module_main
+    return module_main("step4_gpt2.megakernel.benchmarks", __doc__, run, argv)
 
 
 if __name__ == "__main__":
