@@ -83,7 +83,7 @@ extern "C" __global__ void course_gpu_sleep(unsigned long long ns) {
 
 def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None = None,
           warmup: int = 3, repeat: int | None = None, target_ms: float = 200.0,
-          flush_l2: bool = True, cpu: bool = False) -> Timing:
+          flush_l2: bool = True, cpu: bool = False, setup=None) -> Timing:
     """Time fn() with CUDA events (or the host clock if cpu=True): warm-up, then `repeat` runs.
 
     Without `repeat`, as many runs as fit in ~target_ms (10 to 500). With flush_l2, a read of a buffer
@@ -91,15 +91,19 @@ def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None
     GPU is kept busy for 100 us, so the host's Python work inside fn() (argument checks, launch set-up) is
     hidden, as it is in a real pipeline: the events measure the device's time. `wall_ms` is measured
     separately: host clock around fn() + synchronize, from an idle GPU (what a waiting Python loop sees).
+    setup(), if given, runs before every run of fn() and is not timed (e.g. the prefill before a timed decode).
     """
+    prepare = setup or (lambda: None)
     if cpu:
         for _ in range(warmup):
-            fn()
-        t0 = time.perf_counter(); fn(); est = (time.perf_counter() - t0) * 1e3
-        n = repeat or max(5, min(200, int(target_ms / max(est, 1e-3))))
+            prepare(); fn()
+        n = repeat
+        if n is None:                        # as many runs as fit in ~target_ms, from one estimating run
+            prepare(); t0 = time.perf_counter(); fn(); est = (time.perf_counter() - t0) * 1e3
+            n = max(5, min(200, int(target_ms / max(est, 1e-3))))
         times = []
         for _ in range(n):
-            t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
+            prepare(); t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
         return Timing(name, times, list(times), bytes, flops)
 
     from common.device import require_gpu
@@ -107,10 +111,11 @@ def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None
     import cupy as cp
     stream = cp.cuda.get_current_stream()
     for _ in range(warmup):
-        fn()
+        prepare(); fn()
     stream.synchronize()
     walls = []
     for _ in range(max(3, min(20, repeat or 20))):
+        prepare(); stream.synchronize()
         t0 = time.perf_counter()
         fn()
         stream.synchronize()
@@ -121,6 +126,7 @@ def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None
     sleep = _gpu_sleep()
     times = []
     for _ in range(n):
+        prepare()
         if flush is not None:
             flush.sum()      # a read: evicts the inputs from L2 without leaving dirty lines to write back
         sleep((1,), (1,), (np.uint64(100_000),), stream=stream)

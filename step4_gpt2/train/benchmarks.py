@@ -73,18 +73,20 @@ def loop_wall_s(step, batches, warmup: int = 3) -> float:
 
 
 def queue_s(step, batches, warmup: int = 2) -> float:
-    """Seconds of host time to queue one step (the median over the batches after `warmup`), the GPU idle before
-    the first (anything in the step that waits for the GPU counts too, a full launch queue included): when it
+    """Seconds of host time to queue one step (the mean over the batches after `warmup`, queued back to back),
+    the GPU idle before the first (anything in the step that waits for the GPU counts too, a full launch queue included): when it
     exceeds the step's GPU time, the training loop is host-bound and a faster GPU does not make it faster."""
-    import itertools
     torch = torch_cuda()
     for x, y in batches[:warmup]:
         step(x, y)
     _sync(torch)
-    nxt = itertools.cycle(batches[warmup:])
-    t = bench(lambda: step(*next(nxt)), name="queue one step", cpu=True, warmup=0, repeat=len(batches) - warmup)
+
+    def queue():                          # the steps queued back to back, as a training loop queues them
+        for x, y in batches[warmup:]:
+            step(x, y)
+    t = bench(queue, name="queue the steps", cpu=True, warmup=0, repeat=1)
     _sync(torch)
-    return t.median_ms * 1e-3
+    return t.median_ms * 1e-3 / (len(batches) - warmup)
 
 
 def ours_step(config=None, tc=None, graph: bool = False, model_class=None, trainer_class=None):
