@@ -413,7 +413,8 @@ def ratio_text(ratio: float | None, anchor: str) -> str:
     """'2.37× CuPy'; a ratio under 1 reads as slower: '0.76× cuBLAS (slower)'."""
     if ratio is None or not anchor:
         return ""
-    return f"{ratio:.2f}× {anchor}" + (" (slower)" if round(ratio, 2) < 1 else "")
+    shown = f"{ratio:,.0f}" if ratio >= 100 else f"{ratio:.2f}"
+    return f"{shown}× {anchor}" + (" (slower)" if round(ratio, 2) < 1 else "")
 
 
 def cells(row: dict) -> list[str]:
@@ -421,7 +422,7 @@ def cells(row: dict) -> list[str]:
     ms, rate, fraction = _num(row.get("ms")), _num(row.get("rate")), _num(row.get("fraction"))
     return [row.get("size", ""),
             "unavailable" if ms is None else f"{ms:.4f}" if ms < 100 else f"{ms:,.1f}",
-            "" if rate is None else f"{rate:,.1f} {row.get('unit', '')}",
+            "" if rate is None else f"{rate:,.0f} {row.get('unit', '')}" if rate >= 1000 else f"{rate:,.1f} {row.get('unit', '')}",
             "" if fraction is None else f"{fraction:.1%} {row.get('ceiling', '')}",
             ratio_text(_num(row.get("ratio")), row.get("anchor", ""))]
 
