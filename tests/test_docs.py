@@ -339,3 +339,27 @@ def test_benchmarks_help_writes_nothing(tmp_path):
                        text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "--markdown" in r.stdout and "--from-json" in r.stdout
     assert "target" not in r.stdout.lower() and list(tmp_path.iterdir()) == []
+
+
+def test_the_results_pages_are_what_the_generator_makes_of_the_committed_run():
+    """docs/results.md and the README's table are generated from docs/results.json (one benchmark run on one
+    device), never edited by hand: regenerate with
+    `python -m common.benchmarks --from-json docs/results.json --markdown docs/results.md --readme README.md`."""
+    from common.benchmarks import README_BEGIN, README_END, load_result, readme_table, results_page
+    result = load_result(str(ROOT / "docs" / "results.json"))
+    assert not result["failed"], f"the committed run has failed families: {result['failed']}"
+    assert (ROOT / "docs" / "results.md").read_text() == results_page(result) + "\n", "docs/results.md is stale"
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index(README_BEGIN) + len(README_BEGIN):readme.index(README_END)]
+    assert block.strip() == readme_table(result).strip(), "README's results table is stale"
+
+
+def test_the_cpu_test_counts_are_stated_and_agree():
+    """An instructor without a GPU is told what `pytest` reports there; the README and docs/environment.md say
+    the same numbers."""
+    counts = re.compile(r"(\d[\d,]*) passed, (\d[\d,]*) skipped")
+    found = {p: counts.findall((ROOT / p).read_text()) for p in ("README.md", "docs/environment.md")}
+    assert all(found.values()), f"no 'N passed, M skipped' in {[p for p, f in found.items() if not f]}"
+    assert len({tuple(f) for f in found.values()}) == 1, found
+    for p in found:
+        assert "CPU_TEST_COUNTS" not in (ROOT / p).read_text(), f"{p}: the counts placeholder was left in"

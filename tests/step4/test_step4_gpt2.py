@@ -470,8 +470,8 @@ def test_cli_help_and_no_gpu_message(capsys):
     assert "--weights" in text and "--decode" in text and "megakernel" in text
     assert not any(w in text.lower() for w in ("issue", "seed of this course", "target"))
     from common.device import skip_reason
-    if skip_reason():                 # without a GPU: the reason, no traceback, exit code 2
-        assert main(["Hello"]) == 2
+    if skip_reason():                 # without a GPU: the reason, no traceback, exit code 1
+        assert main(["Hello"]) == 1
         assert "GPU" in capsys.readouterr().err
 
 
