@@ -17,7 +17,9 @@ import pytest
 from common.kernels import ROOT
 
 MAIN = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
-SKIP_DIRS = {"__pycache__", ".ipynb_checkpoints"}
+# The learner's output folders (.gitignore) are skipped too: the exercise and training tests write there, and under
+# pytest -n they may do so while an entry point runs.
+SKIP_DIRS = {"__pycache__", ".ipynb_checkpoints", "my_exercises", "runs"}
 TIMEOUT_S = 180          # the slowest import (torch, transformers) on a loaded CPU machine, with room to spare
 
 
