@@ -1,4 +1,6 @@
 """common/ on the CPU: the comparison helpers must catch what they exist to catch."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -644,6 +646,44 @@ def test_the_reading_path_imports_nothing_from_a_lab():
                     f"or have the lab wrap the mainline): {bad}"
     assert _reading_path("step1_simple.ops") and not _reading_path("step1_simple.lab.tuning")
     assert not _reading_path("step4_gpt2.train.benchmarks")
+
+
+def _reading_path_file(path) -> bool:
+    """A file a learner reads: not in a lab/ or exercises/ folder, not a benchmark module."""
+    parts = path.parts
+    return "lab" not in parts and "exercises" not in parts and not path.name.startswith("benchmarks")
+
+
+def test_no_reading_path_file_is_over_600_lines():
+    """Every module and .cu/.cuh a notebook teaches from, in every step and in common/, stays readable: at most
+    600 lines (experiments that would make it longer belong in the step's lab/)."""
+    from common.kernels import ROOT
+    files = [f for top in (ROOT / "common", *ROOT.glob("step*")) for ext in ("*.py", "*.cu", "*.cuh")
+             for f in top.rglob(ext) if _reading_path_file(f.relative_to(ROOT))]
+    assert len(files) > 40, files
+    long = {f.relative_to(ROOT).as_posix(): n for f in files if (n := len(f.read_text().splitlines())) > 600}
+    assert not long, f"reading-path files over 600 lines: {long}"
+    assert not _reading_path_file(Path("step4_gpt2/megakernel/lab/hops.py"))
+    assert not _reading_path_file(Path("step4_gpt2/train/benchmarks.py"))
+
+
+def test_no_notebook_imports_a_lab():
+    """What a notebook runs imports nothing from a lab/ package (the notebooks teach the mainline)."""
+    import ast
+    import nbformat
+    from common.kernels import ROOT
+    notebooks = [p for p in ROOT.glob("step*/**/*.ipynb") if ".ipynb_checkpoints" not in p.parts]
+    assert len(notebooks) >= 10, notebooks
+    bad = {}
+    for p in notebooks:
+        code = "\n".join(c.source for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code")
+        tree = ast.parse("\n".join(l for l in code.splitlines() if not l.lstrip().startswith(("%", "!"))))
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+        labs = [m for m in names if "lab" in m.split(".")]
+        if labs:
+            bad[p.relative_to(ROOT).as_posix()] = labs
+    assert not bad, f"notebooks that import a lab: {bad}"
 
 
 def test_every_course_module_imports_alone_in_a_fresh_interpreter():

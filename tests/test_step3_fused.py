@@ -95,19 +95,6 @@ def test_cu_defines_list_every_launched_file_and_every_kernel_has_its_source(mod
 
 
 # ------------------------------------------------------------------ CPU: the shape of step 3's code
-READING_PATH = ["step3_fused/ops.py", "step3_fused/training.py", "step3_fused/shakespeare.py",
-                "step3_fused/benchmarks.py"]
-
-
-@pytest.mark.parametrize("module", READING_PATH)
-def test_reading_path_is_short_and_imports_nothing_from_the_lab(module):
-    """What the notebooks teach from stays under 600 lines and never reaches into step3_fused/lab/ (the lab
-    wraps the mainline, not the other way round)."""
-    src = (ROOT / module).read_text()
-    assert len(src.splitlines()) <= 600, f"{module}: {len(src.splitlines())} lines"
-    assert not re.search(r"step3_fused\.lab|from \.lab|from \. import lab", src), f"{module} imports the lab"
-
-
 def test_version_lists_are_numbered_and_decode_schedules_are_named():
     """A kernel family's versions are ints 1..N in <FAMILY>_VERSIONS; the decode tail's four ways of cutting
     the same work into kernels are schedules, named as such."""

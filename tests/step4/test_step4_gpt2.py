@@ -436,7 +436,7 @@ def test_decode_modes_and_the_megakernel_slot(monkeypatch):
 
 
 def test_the_reading_path_knows_nothing_of_the_megakernel_or_the_lab():
-    """Lesson 4a's modules import neither lesson 4c nor the lab, inspect no signature, stay under 600 lines;
+    """Lesson 4a's modules import neither lesson 4c nor the lab and inspect no signature (their length: test_common);
     generate() and decode_step take no switch that only a benchmark or a test would pass."""
     import inspect
     import re
@@ -449,7 +449,6 @@ def test_the_reading_path_knows_nothing_of_the_megakernel_or_the_lab():
     for name in ("generate.py", "model.py", "ops.py", "weights.py", "tokenizer.py"):
         src = (here / name).read_text()
         assert not re.search(r"megakernel|step4_gpt2\.lab|import inspect|signature\(", src), name
-        assert len(src.splitlines()) <= 600, name
     params = set(inspect.signature(G.generate).parameters)
     assert not params & {"mode", "reuse", "kv_cache", "attention_v1_max_len", "pipeline_depth", "mark"}
     assert "decoder" in params
