@@ -413,8 +413,114 @@ def kv_cache(prompt: int = 5, new: int = 4) -> Figure:
     return fig
 
 
+def async_timeline(launch_ms: float = 0.02, kernel_ms: float = 1.0, queued_ms: float = 0.0) -> Figure:
+    """The host's timeline against the GPU's queue for one launch: the call returns after `launch_ms`, the kernel
+    runs `kernel_ms` once the work already queued (`queued_ms`) is done, and what each timer measures. Pass
+    measured values to draw a run to scale (the launch is drawn at least 2% of the width, to stay visible)."""
+    fig = Figure(figsize=(12, 3.6))
+    ax = fig.subplots()
+    total = queued_ms + kernel_ms
+    launch = max(launch_ms, 0.02 * total)
+    start, end = max(launch, queued_ms), max(launch, queued_ms) + kernel_ms
+    def bar(x0, x1, y, text, color):
+        ax.add_patch(FancyBboxPatch((x0, y), max(x1 - x0, 1e-9), 0.55, boxstyle="square,pad=0", fc=color, ec="black",
+                                    lw=0.6))
+        ax.text((x0 + x1) / 2, y + 0.27, text, ha="center", va="center", fontsize=8, color=_ink(color))
+    bar(0, launch, 2.2, "", "#DD8452")
+    ax.text(launch / 2, 2.9, f"launch call\n{launch_ms * 1e3:.0f} µs", ha="center", fontsize=8)
+    bar(launch, end, 2.2, "synchronize(): the host waits", "#eeeeee")
+    if queued_ms > 0:
+        bar(0, queued_ms, 0.9, "work queued earlier", "#bbbbbb")
+    bar(start, end, 0.9, f"the kernel: {kernel_ms:.2f} ms", "#4C72B0")
+    _arrow(ax, (launch * 0.6, 2.2), (start, 1.45), color="gray", rad=0.0)
+    ax.text(-0.01 * end, 2.47, "host (Python)", ha="right", va="center", fontsize=9)
+    ax.text(-0.01 * end, 1.17, "GPU (one stream)", ha="right", va="center", fontsize=9)
+    rows = [(0, launch, 0.45, "#C44E52", "perf_counter around the call: the launch only"),
+            (0, end, 0.05, "#8172B3", "perf_counter around call + synchronize: launch + queue + kernel + wake-up"),
+            (start, end, -0.35, "#55A868", "CUDA events recorded on the stream: the kernel, on the GPU's clock")]
+    for x0, x1, y, color, text in rows:
+        ax.plot([x0, x1], [y, y], color=color, lw=3)
+        ax.text(x1 + 0.01 * end, y, text, va="center", fontsize=8, color=color)
+    ax.set_title("A launch only enqueues the kernel: the call returns at once and the GPU runs it later, in the "
+                 "order of its stream", fontsize=10)
+    ax.set_xlim(-0.22 * end, 1.75 * end)
+    ax.set_ylim(-0.7, 3.5)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def two_streams(a_ms: float = 1.0, b_ms: float = 1.0) -> Figure:
+    """Two small kernels on one stream (one after the other) and on two streams (side by side, when the GPU
+    has room for both), and an event that makes a third kernel on stream 2 wait for the first on stream 1."""
+    fig = Figure(figsize=(12, 3.6))
+    ax = fig.subplots()
+    end = a_ms + b_ms
+    def bar(x0, w, y, text, color):
+        ax.add_patch(Rectangle((x0, y), w, 0.6, fc=color, ec="black", lw=0.6))
+        ax.text(x0 + w / 2, y + 0.3, text, ha="center", va="center", fontsize=8, color=_ink(color))
+    bar(0, a_ms, 3.2, "A", "#4C72B0"); bar(a_ms, b_ms, 3.2, "B", "#DD8452")
+    ax.text(-0.02 * end, 3.5, "one stream", ha="right", va="center", fontsize=9)
+    bar(0, a_ms, 1.9, "A", "#4C72B0"); bar(0, b_ms, 1.1, "B", "#DD8452")
+    ax.text(-0.02 * end, 2.2, "stream 1", ha="right", va="center", fontsize=9)
+    ax.text(-0.02 * end, 1.4, "stream 2", ha="right", va="center", fontsize=9)
+    bar(max(a_ms, b_ms), 0.5 * b_ms, 1.1, "C", "#55A868")
+    ax.plot([a_ms, a_ms], [1.9, 2.5], color="black", lw=2)
+    ax.text(a_ms, 2.6, "event recorded after A", ha="center", fontsize=8)
+    _arrow(ax, (a_ms, 1.9), (max(a_ms, b_ms) + 0.02, 1.7), color="#C44E52", lw=1.2)
+    ax.text(max(a_ms, b_ms) + 0.55 * b_ms, 1.4, "stream 2 waits for the event (wait_event): C starts after A",
+            va="center", fontsize=8, color="#C44E52")
+    ax.text(end + 0.02 * end, 3.5, f"{end:g} ms: B waits for A", va="center", fontsize=8)
+    ax.set_title("A stream runs its kernels in order; kernels on different streams may run at once "
+                 "(if neither fills the GPU); events order work across streams", fontsize=10)
+    _blank(ax, (-0.3 * end, 1.9 * end), (0.8, 4.1))
+    ax.set_aspect("auto")
+    fig.tight_layout()
+    return fig
+
+
+def message_passing() -> Figure:
+    """Message passing between two blocks of one launch: the producer writes the payload, then (release) the flag;
+    the consumer spins on the flag, then (acquire) reads the payload; what goes wrong without each ordering."""
+    fig = Figure(figsize=(12, 4.4))
+    ax = fig.subplots()
+    def box(x, y, w, h, text, color, fs=8):
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fc=color, ec="black", lw=0.8))
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fs)
+    box(0, 0.3, 3.4, 3.4, "", "#eef3fa")
+    ax.text(1.7, 3.45, "producer block (SM 3)", ha="center", fontsize=9, weight="bold")
+    steps_p = ["1  payload[k] = round·1024 + k", "2  __syncthreads()", "3  release: __threadfence()",
+               "4  flag = round"]
+    for i, t in enumerate(steps_p):
+        ax.text(0.15, 2.9 - 0.65 * i, t, fontsize=8, family="monospace", color="#a02020" if "release" in t else "black")
+    box(4.6, 2.3, 2.8, 1.2, "payload (4 KB)", "#f6d7b8")
+    box(4.6, 0.6, 2.8, 1.0, "flag", "#c9e6c9")
+    ax.text(6.0, 3.75, "GPU memory (L2, DRAM)", ha="center", fontsize=9, weight="bold")
+    box(8.6, 0.3, 3.4, 3.4, "", "#eef3fa")
+    ax.text(10.3, 3.45, "consumer block (SM 7)", ha="center", fontsize=9, weight="bold")
+    steps_c = ["5  while (flag != round) {}", "6  acquire: __threadfence()", "7  __syncthreads()",
+               "8  read payload[k]"]
+    for i, t in enumerate(steps_c):
+        ax.text(8.75, 2.9 - 0.65 * i, t, fontsize=8, family="monospace", color="#a02020" if "acquire" in t else "black")
+    _arrow(ax, (3.4, 2.9), (4.6, 2.9), lw=1.2)
+    _arrow(ax, (3.4, 0.95), (4.6, 1.1), lw=1.2)
+    _arrow(ax, (7.4, 1.1), (8.6, 2.9), lw=1.2, color="#55A868")
+    _arrow(ax, (7.4, 2.9), (8.6, 0.95), lw=1.2, color="#DD8452")
+    ax.text(12.3, 3.0, "without volatile (v1): the compiler loads the flag once\nand spins on a register copy: "
+            "5 never ends", fontsize=8, va="center")
+    ax.text(12.3, 1.9, "without 3 (release): the flag may reach memory\nbefore the payload does",
+            fontsize=8, va="center")
+    ax.text(12.3, 0.8, "without 6 (acquire): 8 may read a stale copy\n(the consumer SM's L1 cache, or a load "
+            "issued early)", fontsize=8, va="center")
+    ax.set_title("Message passing between two blocks: the flag says the payload is ready only if its order is "
+                 "kept on both sides", fontsize=10)
+    _blank(ax, (-0.2, 17.5), (0.0, 4.1))
+    fig.tight_layout()
+    return fig
+
+
 ALL = (thread_indexing, coalescing, tree_reduction, tiled_matmul, online_softmax_merge, flash_tiles, mma_fragment,
-       fusion_dataflow, roofline, kv_cache)
+       fusion_dataflow, roofline, kv_cache, async_timeline, two_streams, message_passing)
 
 
 def save_all(folder="diagrams", dpi: int = 110) -> list:

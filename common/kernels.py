@@ -356,15 +356,52 @@ def kernel_source(path: str | os.PathLike, name: str) -> str:
     return "\n".join(lines[first:end + 1])
 
 
-def show_source(path: str | os.PathLike, *names: str) -> None:
+MAX_SHOWN_LINES = 80     # a printed block a learner can read on one screen
+
+
+def _print_block(text: str, what: str) -> None:
+    n = text.count("\n") + 1
+    if n > MAX_SHOWN_LINES:
+        raise ValueError(f"{what} is {n} lines; a notebook shows at most {MAX_SHOWN_LINES}: show fewer kernels, "
+                         "a diff (show_diff) or an excerpt (show_excerpt)")
+    print(text)
+
+
+def show_source(path: str | os.PathLike, *names: str, header: bool = True) -> None:
     """Print a `.cu` file's header comment (what it teaches, its numbered versions), then the named kernels or
-    device functions (`kernel_source`): what a notebook shows instead of a whole file."""
+    device functions (`kernel_source`): what a notebook shows instead of a whole file. At most 80 lines."""
     lines = resolve(path).read_text().splitlines()
-    header = []
-    for ln in lines:
+    head = []
+    for ln in lines if header else ():
         if not ln.startswith("//"):
             break
-        header.append(ln)
-    print("\n".join(header))
-    for name in names:
-        print("\n" + kernel_source(path, name))
+        head.append(ln)
+    parts = (["\n".join(head)] if head else []) + [kernel_source(path, name) for name in names]
+    _print_block("\n\n".join(parts), f"{_display_name(resolve(path))}: {', '.join(names) or 'header'}")
+
+
+def show_diff(path: str | os.PathLike, old: str, new: str, context: int = 2) -> None:
+    """Print what kernel `new` adds to kernel `old` of the same `.cu` file, as a unified diff (`-` lines leave,
+    `+` lines arrive): one idea more per version, without printing the whole kernel again."""
+    import difflib
+    a, b = kernel_source(path, old).splitlines(), kernel_source(path, new).splitlines()
+    diff = difflib.unified_diff(a, b, fromfile=old, tofile=new, n=context, lineterm="")
+    _print_block("\n".join(diff), f"diff {old} -> {new}")
+
+
+def show_excerpt(path: str | os.PathLike, start: str, end: str | None = None, max_lines: int = MAX_SHOWN_LINES) -> None:
+    """Print the lines of a source file from the first line containing `start` through the next line containing
+    `end` (or `max_lines` lines), numbered as in the file: a part of a kernel too large to show whole."""
+    p = resolve(path)
+    lines = p.read_text().splitlines()
+    first = next((i for i, ln in enumerate(lines) if start in ln), None)
+    if first is None:
+        raise KeyError(f"no line containing {start!r} in {_display_name(p)}")
+    last = first + max_lines - 1
+    if end is not None:
+        last = next((i for i in range(first + 1, len(lines)) if end in lines[i]), None)
+        if last is None:
+            raise KeyError(f"no line containing {end!r} after {start!r} in {_display_name(p)}")
+    body = "\n".join(f"{i + 1:4d}  {lines[i]}" for i in range(first, min(last + 1, len(lines))))
+    _print_block(f"// {_display_name(p)}, lines {first + 1}-{min(last + 1, len(lines))}\n" + body,
+                 f"excerpt of {_display_name(p)}")

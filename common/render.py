@@ -1,7 +1,7 @@
 """A rendered reference run of the notebooks, for readers without a GPU.
 
     python -m common.render                                   # every notebook of the course -> docs/rendered/
-    python -m common.render step1_simple/01_elementwise.ipynb --out /tmp/rendered --timeout 900
+    python -m common.render step1_simple/01a_elementwise.ipynb --out /tmp/rendered --timeout 900
 
 Each notebook is executed top to bottom in a fresh kernel with its own folder as the working directory
 (nbclient, as nbval does), then written as `<out>/<stem>/<stem>.md` with its outputs, and its plots as PNG files
@@ -52,7 +52,7 @@ SKIP_DIRS = {".ipynb_checkpoints", "lab", "exercises"}
 
 def course_notebooks(root: Path = ROOT) -> list[Path]:
     """Every notebook of the course, in course order: the step folders in order, and inside a step the notebooks
-    by name (04_gpt2, then 04b_train_gpt in train/, then 04c_megakernel in megakernel/). Experiments (lab/),
+    by name (04a_gpt2, then 04b_train_gpt in train/, then 04c_megakernel in megakernel/). Experiments (lab/),
     exercises and Jupyter's checkpoints are not lessons."""
     found = [p for p in root.glob("step*/**/*.ipynb") if not SKIP_DIRS & set(p.relative_to(root).parts[:-1])]
     return sorted(found, key=lambda p: (p.relative_to(root).parts[0], p.stem))

@@ -3,6 +3,7 @@
     t = bench(lambda: kernel(grid, block, args), bytes=8 * n, name="axpb v3")
     print(t)                                   # median, spread, GB/s
     t.fraction(copy_bandwidth())               # share of the measured memory ceiling
+    t.host_median_ms                           # the host's work per call (Python, launch set-up), not GPU time
 """
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ class Timing:
     wall_ms: list = field(repr=False)     # host clock around launch + completion (includes launch overhead)
     bytes: float | None = None
     flops: float | None = None
+    host_ms: list = field(default_factory=list, repr=False)   # host clock around fn() alone, no synchronize:
+                                                              # the time to enqueue the work (one per timed run)
+    lead_ms: float = 0.0                  # how long the GPU was kept busy before each start event
+    overruns: int = 0                     # timed runs whose host work still outlasted the lead (see bench)
 
     @property
     def median_ms(self) -> float:
@@ -36,6 +41,12 @@ class Timing:
     @property
     def wall_median_ms(self) -> float:
         return statistics.median(self.wall_ms)
+
+    @property
+    def host_median_ms(self) -> float:
+        """The host's work per call: Python, argument checks, launch set-up, until fn() returns (the GPU may
+        still be running). Distinct from median_ms, the device's time between the events."""
+        return statistics.median(self.host_ms) if self.host_ms else float("nan")
 
     @property
     def gbps(self) -> float | None:
@@ -60,6 +71,16 @@ class Timing:
         return s
 
 
+def faster(time, anchor) -> str:
+    """How `time` compares with `anchor` (Timings or milliseconds), in words a sentence can use: "2.31x faster"
+    when it takes less time, "1.82x slower" when it takes more (never "0.55x faster")."""
+    t = time.median_ms if isinstance(time, Timing) else float(time)
+    a = anchor.median_ms if isinstance(anchor, Timing) else float(anchor)
+    if not (t > 0 and a > 0):
+        raise ValueError(f"faster() needs two positive times, got time={t!r} and anchor={a!r}")
+    return f"{a / t:.2f}x faster" if t <= a else f"{t / a:.2f}x slower"
+
+
 @functools.lru_cache(maxsize=None)
 def _flush_buffer():
     import cupy as cp
@@ -81,17 +102,39 @@ extern "C" __global__ void course_gpu_sleep(unsigned long long ns) {
 }""", "course_gpu_sleep")
 
 
+LEAD_MIN_MS = 0.1      # the shortest GPU sleep before a start event
+LEAD_MAX_MS = 50.0     # the longest: a fn() whose enqueue takes longer is not hidden (see `Timing.overruns`)
+RETRIES = 3            # re-times of one run whose host work outlasted the lead, each with a longer lead
+
+
+def _lead_for(host_ms: float) -> float:
+    """A lead comfortably longer than the host's enqueue time: twice it plus 50 us, within the bounds."""
+    return min(LEAD_MAX_MS, max(LEAD_MIN_MS, 2.0 * host_ms + 0.05))
+
+
 def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None = None,
           warmup: int = 3, repeat: int | None = None, target_ms: float = 200.0,
           flush_l2: bool = True, cpu: bool = False, setup=None) -> Timing:
     """Time fn() with CUDA events (or the host clock if cpu=True): warm-up, then `repeat` runs.
 
     Without `repeat`, as many runs as fit in ~target_ms (10 to 500). With flush_l2, a read of a buffer
-    twice the L2 size precedes every run, so inputs are read cold from DRAM. Before each start event the
-    GPU is kept busy for 100 us, so the host's Python work inside fn() (argument checks, launch set-up) is
-    hidden, as it is in a real pipeline: the events measure the device's time. `wall_ms` is measured
-    separately: host clock around fn() + synchronize, from an idle GPU (what a waiting Python loop sees).
-    setup(), if given, runs before every run of fn() and is not timed (e.g. the prefill before a timed decode).
+    twice the L2 size precedes every run, so inputs are read cold from DRAM.
+
+    Why a lead: a CUDA launch is asynchronous, and the start event is queued before fn() runs its Python
+    (argument checks, launch set-up). If the GPU were idle, it would pass the start event at once and then wait
+    for fn()'s kernel, and that wait, host time, would land between the events. So before each start event a
+    GPU sleep keeps the device busy for longer than the host needs to enqueue fn()'s work (the lead: twice the
+    longest enqueue time seen in the untimed runs plus 50 us, 0.1 to 50 ms); when the sleep ends, the work is
+    already queued and runs back to back, as in a real pipeline: the events measure the device's time only.
+    Each timed run checks it: if the host's time from the sleep's launch to the end event exceeded the lead,
+    the run is re-timed with a longer lead (up to 3 times; runs still over are counted in `overruns`).
+
+    `host_ms` (median: `host_median_ms`) is the host clock around fn() alone in each timed run, without a
+    synchronize: the host's work per call (for a course wrapper: its Python, argument checks and launch set-up),
+    measured as in a pipeline, while the GPU is busy (a launch behind queued work can take the host a little
+    longer than one on an idle GPU). `wall_ms` is the host clock around fn() + synchronize from an idle
+    GPU (what a waiting Python loop sees). setup(), if given, runs before every run of fn() and is not timed
+    (e.g. the prefill before a timed decode).
     """
     prepare = setup or (lambda: None)
     if cpu:
@@ -104,7 +147,7 @@ def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None
         times = []
         for _ in range(n):
             prepare(); t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
-        return Timing(name, times, list(times), bytes, flops)
+        return Timing(name, times, list(times), bytes, flops, host_ms=list(times))
 
     from common.device import require_gpu
     require_gpu()                  # a clear message without a GPU or with an old driver, not a CUDA error
@@ -113,30 +156,45 @@ def bench(fn, *, name: str = "", bytes: float | None = None, flops: float | None
     for _ in range(warmup):
         prepare(); fn()
     stream.synchronize()
-    walls = []
+    walls, enqueue = [], []
     for _ in range(max(3, min(20, repeat or 20))):
         prepare(); stream.synchronize()
         t0 = time.perf_counter()
         fn()
+        enqueue.append((time.perf_counter() - t0) * 1e3)       # the host's work alone, GPU maybe still busy
         stream.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
     est = statistics.median(walls)
-    n = repeat or max(10, min(500, int(target_ms / max(est, 1e-3))))
+    lead = _lead_for(max(enqueue))
+    n = repeat or max(10, min(500, int(target_ms / max(est + lead, 1e-3))))
     flush = _flush_buffer() if flush_l2 else None
     sleep = _gpu_sleep()
-    times = []
+    times, hosts, overruns = [], [], 0
     for _ in range(n):
-        prepare()
-        if flush is not None:
-            flush.sum()      # a read: evicts the inputs from L2 without leaving dirty lines to write back
-        sleep((1,), (1,), (np.uint64(100_000),), stream=stream)
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
+        for attempt in range(RETRIES + 1):
+            prepare()
+            if flush is not None:
+                flush.sum()  # a read: evicts the inputs from L2 without leaving dirty lines to write back
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            t_lead = time.perf_counter()         # the sleep starts on the GPU no earlier than this
+            sleep((1,), (1,), (np.uint64(int(lead * 1e6)),), stream=stream)
+            start.record(stream)
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            end.record(stream)
+            t2 = time.perf_counter()
+            end.synchronize()
+            ahead_ms = (t2 - t_lead) * 1e3       # host time the sleep had to cover, up to the end event
+            if ahead_ms < lead:
+                break                            # the GPU was still asleep when the end event was queued
+            if attempt == RETRIES or lead >= LEAD_MAX_MS:
+                overruns += 1                    # keep the run; `overruns` says host time may have leaked in
+                break
+            lead = _lead_for(ahead_ms)           # re-time this run with a longer lead (kept for later runs)
         times.append(cp.cuda.get_elapsed_time(start, end))
-    return Timing(name, times, walls, bytes, flops)
+        hosts.append((t1 - t0) * 1e3)
+    return Timing(name, times, walls, bytes, flops, host_ms=hosts, lead_ms=lead, overruns=overruns)
 
 
 @functools.lru_cache(maxsize=None)

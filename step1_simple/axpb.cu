@@ -75,6 +75,6 @@ extern "C" __global__ void axpb_v4(const float* __restrict__ x, float* __restric
     // the last partial tile: plain grid-stride over what is left
     for (long long i = full_tiles * tile + tid; i < nvec; i += (long long)gridDim.x * blockDim.x)
         y4[i] = axpb4(x4[i], a, b);
-    const long long t = head + nvec * 4 + tid;
+    const long long t = head + nvec * 4 + tid;          // at most 3 leftover elements
     if (t < n) y[t] = a * x[t] + b;
 }

@@ -19,9 +19,10 @@ SUM_BLOCKS = (64, 128, 256, 512, 1024)   # reduce.cu's tree halves the block: a 
 
 
 def _per_sm(block: int) -> int:
-    """Blocks per SM for a grid-stride launch: 2048 threads' worth, enough to fill an SM (each thread
-    then loops over several elements)."""
-    return max(2, 2048 // block)
+    """Blocks per SM for a grid-stride launch: as many threads as one SM can hold (2048 on sm_70/80/90, 1536
+    on sm_86/89, 1024 on sm_75), enough to fill it; each thread then loops over several elements."""
+    from common.device import device_info
+    return max(2, device_info()["max_threads_per_sm"] // block)
 
 
 def _head(ptr: int, n: int) -> int:

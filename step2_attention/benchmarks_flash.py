@@ -1,4 +1,4 @@
-"""Step 2b benchmark rows: attention at B=8, H=12, D=64, causal, T = 128 .. 2048 (fused fp32, tensor
+"""Steps 2b and 2c benchmark rows: attention at B=8, H=12, D=64, causal, T = 128 .. 2048 (fused fp32, tensor
 cores fp16/bf16, torch SDPA when installed), tile-size sweeps at T=1024, and decode attention vs the
 bytes floor. The naive and cuBLAS-based lines of the same sweep are benchmarks.py's (measured once, there);
 the fused kernel's "vs naive" target uses one naive measurement at T=1024 here. FLOPs: 4*B*H*T*T*D / 2 for
@@ -27,10 +27,11 @@ def have_sdpa() -> bool:
     return True
 
 
-def torch_sdpa(q, k, v, dtype: str = "fp32", causal: bool = True):
+def torch_sdpa(q, k, v, dtype: str = "fp32", causal: bool = True, pinned: bool = True):
     """A zero-argument callable that runs torch's scaled_dot_product_attention on copies of the float32
     CuPy arrays q, k, v (B, H, T, D) converted to dtype ("fp32", "fp16" or "bf16"), pinned to one backend:
-    memory-efficient for fp32, flash for fp16/bf16 (TF32 off). Check have_sdpa() first."""
+    memory-efficient for fp32, flash for fp16/bf16 (TF32 off); pinned=False leaves the choice to torch
+    (its default: cuDNN's attention on Hopper with recent torch). Check have_sdpa() first."""
     torch = torch_cuda()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
@@ -39,6 +40,8 @@ def torch_sdpa(q, k, v, dtype: str = "fp32", causal: bool = True):
     f = torch.nn.functional.scaled_dot_product_attention
 
     def run():
+        if not pinned:
+            return f(tq, tk, tv, is_causal=causal)
         with sdpa_kernel(backend):
             return f(tq, tk, tv, is_causal=causal)
     return run

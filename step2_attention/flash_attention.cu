@@ -11,11 +11,12 @@
 //       scores key j, the warp does the online softmax with shuffles, then each lane accumulates D/32
 //       output dims. Causal: tiles after the block's last row are skipped. One launch.
 //   v2  a block owns BR query rows x BC keys per step and each thread a TM x TN register tile of S
-//       (TM rows, TN = BC/8 keys) and of O (TM rows, D/8 dims). Q, K, V and P sit in shared memory;
-//       every value loaded from shared memory feeds TM or TN FMAs instead of one.
-//   v3  v2 + vectorized float4 loads (global and shared), padded shared rows so float4 reads of K and
-//       P are bank-conflict free, log2(e) folded into the scale (exp2f is one MUFU op), only the
-//       diagonal tile does causal masking, and the heaviest causal query blocks start first.
+//       (TM rows, TN = BC/8 keys) and of O (TM rows, D/8 dims, pv_tile). Q, K, V and P sit in shared
+//       memory; every value loaded from shared memory feeds TM or TN FMAs instead of one.
+//   v3  v2 + float4 loads, global (load4) and shared (pv_tile4): one instruction moves 16 bytes; padded
+//       shared rows keep the float4 reads of K bank-conflict free; only the tile crossing the diagonal
+//       or the end of the sequence is masked; the heaviest causal query blocks start first; and
+//       __launch_bounds__(THREADS, 2) asks the compiler to fit two blocks per SM in registers.
 //
 // All versions read q/k/v through (batch, head, time) strides, so the same kernels serve (B, H, T, D)
 // tensors and GPT-2's fused QKV buffer (B, T, 3C) with the c_attn bias added while loading (no permute
@@ -50,6 +51,7 @@
 #define TD (D / 8)             // output dims per thread in O
 #define THREADS ((BR / TM) * 8)
 #define V1_BC 32               // v1: keys per tile (one per lane)
+#define ZERO4 make_float4(0.f, 0.f, 0.f, 0.f)
 #define LN2 0.6931471805599453f  // scores are in log2 units (scale_log2); lse is a natural log
 
 static_assert(D % 32 == 0 && D <= 128, "HEAD_DIM must be 32, 64 or 128");
@@ -124,18 +126,35 @@ extern "C" __global__ void __launch_bounds__(V1_ROWS * 32) flash_v1(ATTN_ARGS) {
     }
 }
 
-// -------------------------------------------------------------------------------------------- v2, v3
+// ------------------------------------------------------------------------------------------------- v2
 // Thread layout: ty = tid / 8 owns query rows ty*TM .. ty*TM+TM-1; tx = tid % 8 owns keys tx + 8*c
-// (c < TN) of S and output dims of O. The 8 threads of one row group are 8 consecutive lanes, so row
-// max and row sum are 3 shuffles. Shared memory (floats): Q [BR][D+4], K or P [max(BC*(D+4), BR*(BC+8))],
-// V [BC][D]. P reuses K's buffer: K is dead once S is computed.
+// (c < TN) of S and output dims tx + 8*c of O. The 8 threads of one row group are 8 consecutive lanes,
+// so a row's max and sum take 3 shuffles. Shared memory (floats): Q [BR][D+4], K or P, V [BC][D].
+// P reuses K's buffer: K is dead once S is computed.
 #define QS_STRIDE (D + 4)
-#define KS_STRIDE (D + 4)      // float4 rows tx, tx+8, ... : (D+4)/4 is odd -> 8 lanes hit 8 different bank groups
+#define KS_STRIDE (D + 4)      // v3's float4 rows tx, tx+8, ...: (D+4)/4 is odd -> 8 lanes, 8 bank groups
 #define PS_STRIDE (BC + 8)     // scalar P writes by 8 lanes x 4 row groups land in 32 different banks
 #define KP_FLOATS (BC * KS_STRIDE > BR * PS_STRIDE ? BC * KS_STRIDE : BR * PS_STRIDE)
+// In all (BR * QS_STRIDE + KP_FLOATS + BC * D) * 4 bytes of dynamic shared memory: flash.py computes the
+// same number (52 KB at the defaults, so the launch opts in above the 48 KB default).
 
-template <bool VEC>
-__device__ __forceinline__ void flash_tiled(ATTN_ARGS) {
+// O += P V for this thread's TM rows x output dims tx + 8*c (c < TD), over the tile's first jmax keys:
+// P (in K's buffer, rows of PS_STRIDE) and V in shared memory, acc in registers.
+__device__ __forceinline__ void pv_tile(float (&acc)[TM][TD], const float* kp, const float* vs, int ty, int tx, int jmax) {
+    for (int j = 0; j < jmax; ++j) {
+        float pf[TM], vf[TD];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) pf[i] = kp[(ty * TM + i) * PS_STRIDE + j];
+#pragma unroll
+        for (int c = 0; c < TD; ++c) vf[c] = vs[j * D + tx + 8 * c];
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int c = 0; c < TD; ++c) acc[i][c] += pf[i] * vf[c];   // each loaded value feeds TM or TD FMAs
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) flash_v2(ATTN_ARGS) {
     extern __shared__ float4 smem4[];
     float* qs = reinterpret_cast<float*>(smem4);
     float* kp = qs + BR * QS_STRIDE;
@@ -143,31 +162,14 @@ __device__ __forceinline__ void flash_tiled(ATTN_ARGS) {
     const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const long long base = b * s_b + h * s_h;
-    // causal: the last query blocks see the most keys; launch them first so they don't finish last
-    const int qb = (VEC && causal) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qb * BR;
+    const int q0 = blockIdx.x * BR;
     const float* bq_h = bq ? bq + h * D : nullptr;
     const float* bk_h = bk ? bk + h * D : nullptr;
     const float* bv_h = bv ? bv + h * D : nullptr;
-
-    if (VEC) {
-        for (int i = tid; i < BR * D / 4; i += THREADS) {
-            const int r = i / (D / 4), d = (i % (D / 4)) * 4;
-            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (q0 + r < T) {
-                x = *reinterpret_cast<const float4*>(q + base + (q0 + r) * s_t + d);
-                if (bq_h) { const float4 c = *reinterpret_cast<const float4*>(bq_h + d); x.x += c.x; x.y += c.y; x.z += c.z; x.w += c.w; }
-                x.x *= scale_log2; x.y *= scale_log2; x.z *= scale_log2; x.w *= scale_log2;
-            }
-            *reinterpret_cast<float4*>(qs + r * QS_STRIDE + d) = x;
-        }
-    } else {
-        for (int i = tid; i < BR * D; i += THREADS) {
-            const int r = i / D, d = i % D;
-            qs[r * QS_STRIDE + d] = q0 + r < T ? (q[base + (q0 + r) * s_t + d] + (bq_h ? bq_h[d] : 0.0f)) * scale_log2 : 0.0f;
-        }
+    for (int i = tid; i < BR * D; i += THREADS) {
+        const int r = i / D, d = i % D;
+        qs[r * QS_STRIDE + d] = q0 + r < T ? (q[base + (q0 + r) * s_t + d] + (bq_h ? bq_h[d] : 0.0f)) * scale_log2 : 0.0f;
     }
-
     float m[TM], l[TM], acc[TM][TD];
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -178,69 +180,32 @@ __device__ __forceinline__ void flash_tiled(ATTN_ARGS) {
     const int kv_end = causal ? min(T, q0 + BR) : T;
     for (int k0 = 0; k0 < kv_end; k0 += BC) {
         __syncthreads();   // the previous tile's P and V are consumed (and Q is written, first time)
-        if (VEC) {
-            for (int i = tid; i < BC * D / 4; i += THREADS) {
-                const int j = i / (D / 4), d = (i % (D / 4)) * 4;
-                float4 kx = make_float4(0.f, 0.f, 0.f, 0.f), vx = kx;
-                if (k0 + j < T) {
-                    kx = *reinterpret_cast<const float4*>(k + base + (k0 + j) * s_t + d);
-                    vx = *reinterpret_cast<const float4*>(v + base + (k0 + j) * s_t + d);
-                    if (bk_h) {
-                        const float4 c = *reinterpret_cast<const float4*>(bk_h + d), e = *reinterpret_cast<const float4*>(bv_h + d);
-                        kx.x += c.x; kx.y += c.y; kx.z += c.z; kx.w += c.w;
-                        vx.x += e.x; vx.y += e.y; vx.z += e.z; vx.w += e.w;
-                    }
-                }
-                *reinterpret_cast<float4*>(kp + j * KS_STRIDE + d) = kx;
-                *reinterpret_cast<float4*>(vs + j * D + d) = vx;
-            }
-        } else {
-            for (int i = tid; i < BC * D; i += THREADS) {
-                const int j = i / D, d = i % D;
-                const bool in = k0 + j < T;
-                kp[j * KS_STRIDE + d] = in ? k[base + (k0 + j) * s_t + d] + (bk_h ? bk_h[d] : 0.0f) : 0.0f;
-                vs[j * D + d] = in ? v[base + (k0 + j) * s_t + d] + (bv_h ? bv_h[d] : 0.0f) : 0.0f;
-            }
+        for (int i = tid; i < BC * D; i += THREADS) {
+            const int j = i / D, d = i % D;
+            const bool in = k0 + j < T;
+            kp[j * KS_STRIDE + d] = in ? k[base + (k0 + j) * s_t + d] + (bk_h ? bk_h[d] : 0.0f) : 0.0f;
+            vs[j * D + d] = in ? v[base + (k0 + j) * s_t + d] + (bv_h ? bv_h[d] : 0.0f) : 0.0f;
         }
         __syncthreads();
-
-        // S = Q K^T for this thread's TM x TN tile
-        float s[TM][TN];
+        float s[TM][TN];   // S = Q K^T for this thread's TM x TN tile
 #pragma unroll
         for (int i = 0; i < TM; ++i)
 #pragma unroll
             for (int c = 0; c < TN; ++c) s[i][c] = 0.0f;
-        if (VEC) {
-#pragma unroll 4
-            for (int d = 0; d < D; d += 4) {
-                float4 qf[TM];
-#pragma unroll
-                for (int i = 0; i < TM; ++i) qf[i] = *reinterpret_cast<const float4*>(qs + (ty * TM + i) * QS_STRIDE + d);
-#pragma unroll
-                for (int c = 0; c < TN; ++c) {
-                    const float4 kf = *reinterpret_cast<const float4*>(kp + (tx + 8 * c) * KS_STRIDE + d);
-#pragma unroll
-                    for (int i = 0; i < TM; ++i)
-                        s[i][c] += qf[i].x * kf.x + qf[i].y * kf.y + qf[i].z * kf.z + qf[i].w * kf.w;
-                }
-            }
-        } else {
 #pragma unroll 2
-            for (int d = 0; d < D; ++d) {
-                float qf[TM], kf[TN];
+        for (int d = 0; d < D; ++d) {
+            float qf[TM], kf[TN];
 #pragma unroll
-                for (int i = 0; i < TM; ++i) qf[i] = qs[(ty * TM + i) * QS_STRIDE + d];
+            for (int i = 0; i < TM; ++i) qf[i] = qs[(ty * TM + i) * QS_STRIDE + d];
 #pragma unroll
-                for (int c = 0; c < TN; ++c) kf[c] = kp[(tx + 8 * c) * KS_STRIDE + d];
+            for (int c = 0; c < TN; ++c) kf[c] = kp[(tx + 8 * c) * KS_STRIDE + d];
 #pragma unroll
-                for (int i = 0; i < TM; ++i)
+            for (int i = 0; i < TM; ++i)
 #pragma unroll
-                    for (int c = 0; c < TN; ++c) s[i][c] += qf[i] * kf[c];
-            }
+                for (int c = 0; c < TN; ++c) s[i][c] += qf[i] * kf[c];   // each loaded value feeds TM or TN FMAs
         }
-        // Mask keys past T and (causal) keys after the query. v3 only pays for it where it can matter:
-        // the tile crossing the diagonal or the end of the sequence.
-        if (!VEC || k0 + BC > T || (causal && k0 + BC - 1 > q0)) {
+        const bool edge = true;   // v3 masks only the tile crossing the diagonal or the end of the sequence
+        if (edge) {               // keys past T, and (causal) keys after the query, get -inf
 #pragma unroll
             for (int i = 0; i < TM; ++i)
 #pragma unroll
@@ -259,7 +224,7 @@ __device__ __forceinline__ void flash_tiled(ATTN_ARGS) {
             mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
             mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
             const float m_new = fmaxf(m[i], mx);
-            const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+            const float m_use = m_new == NEG_INF ? 0.0f : m_new;   // a fully masked row so far: keep zeros
             const float alpha = exp2f(m[i] - m_use);
             float sum = 0.0f;
 #pragma unroll
@@ -275,44 +240,7 @@ __device__ __forceinline__ void flash_tiled(ATTN_ARGS) {
 #pragma unroll
             for (int c = 0; c < TN; ++c) kp[(ty * TM + i) * PS_STRIDE + tx + 8 * c] = s[i][c];
         __syncthreads();
-
-        // O += P V: this thread's TM rows x TD dims. v3 dims: tx*4 + 32*c4 + (0..3), contiguous float4s
-        // across the 8 lanes; v2 dims: tx + 8*c.
-        const int jmax = min(BC, T - k0);
-        if (VEC) {
-            for (int j = 0; j < jmax; j += 4) {   // P rows are padded with zeros past jmax (masked -> exp2 = 0)
-                float4 pf[TM];
-#pragma unroll
-                for (int i = 0; i < TM; ++i) pf[i] = *reinterpret_cast<const float4*>(kp + (ty * TM + i) * PS_STRIDE + j);
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-                    for (int c4 = 0; c4 < TD / 4; ++c4) {
-                        const float4 vf = *reinterpret_cast<const float4*>(vs + (j + jj) * D + tx * 4 + 32 * c4);
-#pragma unroll
-                        for (int i = 0; i < TM; ++i) {
-                            const float p = jj == 0 ? pf[i].x : jj == 1 ? pf[i].y : jj == 2 ? pf[i].z : pf[i].w;
-                            acc[i][4 * c4 + 0] += p * vf.x;
-                            acc[i][4 * c4 + 1] += p * vf.y;
-                            acc[i][4 * c4 + 2] += p * vf.z;
-                            acc[i][4 * c4 + 3] += p * vf.w;
-                        }
-                    }
-                }
-            }
-        } else {
-            for (int j = 0; j < jmax; ++j) {
-                float pf[TM], vf[TD];
-#pragma unroll
-                for (int i = 0; i < TM; ++i) pf[i] = kp[(ty * TM + i) * PS_STRIDE + j];
-#pragma unroll
-                for (int c = 0; c < TD; ++c) vf[c] = vs[j * D + tx + 8 * c];
-#pragma unroll
-                for (int i = 0; i < TM; ++i)
-#pragma unroll
-                    for (int c = 0; c < TD; ++c) acc[i][c] += pf[i] * vf[c];
-            }
-        }
+        pv_tile(acc, kp, vs, ty, tx, min(BC, T - k0));    // O += P V
     }
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -324,25 +252,156 @@ __device__ __forceinline__ void flash_tiled(ATTN_ARGS) {
         if (r >= T) continue;
         const float inv = li > 0.0f ? 1.0f / li : 0.0f;
         float* o_row = o + b * o_b + h * o_h + r * o_t;
-        if (VEC) {
 #pragma unroll
-            for (int c4 = 0; c4 < TD / 4; ++c4)
-                *reinterpret_cast<float4*>(o_row + tx * 4 + 32 * c4) =
-                    make_float4(acc[i][4 * c4] * inv, acc[i][4 * c4 + 1] * inv, acc[i][4 * c4 + 2] * inv, acc[i][4 * c4 + 3] * inv);
-        } else {
-#pragma unroll
-            for (int c = 0; c < TD; ++c) o_row[tx + 8 * c] = acc[i][c] * inv;
-        }
+        for (int c = 0; c < TD; ++c) o_row[tx + 8 * c] = acc[i][c] * inv;
         if (lse && tx == 0) lse[(long long)blockIdx.y * T + r] = (m[i] + log2f(li)) * LN2;   // m: the same in all 8
     }
 }
 
-// v2/v3 need (BR * QS_STRIDE + KP_FLOATS + BC * D) * 4 bytes of dynamic shared memory; flash.py computes
-// the same number (52 KB at the defaults, so the launch opts in above the 48 KB default).
-extern "C" __global__ void __launch_bounds__(THREADS) flash_v2(ATTN_ARGS) {
-    flash_tiled<false>(q, k, v, bq, bk, bv, o, lse, T, H, s_b, s_h, s_t, o_b, o_h, o_t, scale_log2, causal);
+// ------------------------------------------------------------------------------------------------- v3
+// v2 with 16-byte float4 loads (global and shared memory), the mask only on the edge tile, the heaviest
+// causal query blocks first, and __launch_bounds__(THREADS, 2): the compiler fits two blocks per SM.
+
+// Four floats at p (16-byte aligned) in one load, plus the bias's four at dims d..d+3 (nullptr: none).
+__device__ __forceinline__ float4 load4(const float* p, const float* bias, int d) {
+    float4 x = *reinterpret_cast<const float4*>(p);
+    if (bias) {
+        const float4 c = *reinterpret_cast<const float4*>(bias + d);
+        x.x += c.x; x.y += c.y; x.z += c.z; x.w += c.w;
+    }
+    return x;
+}
+
+// O += P V for this thread's TM rows x dims tx*4 + 32*c4 + 0..3 (c4 < TD/4), contiguous float4s across the 8
+// lanes of a row group; four keys per step, P read as float4. P rows are zero past jmax (masked: exp2 = 0).
+__device__ __forceinline__ void pv_tile4(float (&acc)[TM][TD], const float* kp, const float* vs, int ty, int tx, int jmax) {
+    for (int j = 0; j < jmax; j += 4) {
+        float4 pf[TM];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) pf[i] = *reinterpret_cast<const float4*>(kp + (ty * TM + i) * PS_STRIDE + j);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+            for (int c4 = 0; c4 < TD / 4; ++c4) {
+                const float4 vf = *reinterpret_cast<const float4*>(vs + (j + jj) * D + tx * 4 + 32 * c4);
+#pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                    const float p = jj == 0 ? pf[i].x : jj == 1 ? pf[i].y : jj == 2 ? pf[i].z : pf[i].w;
+                    acc[i][4 * c4 + 0] += p * vf.x;
+                    acc[i][4 * c4 + 1] += p * vf.y;
+                    acc[i][4 * c4 + 2] += p * vf.z;
+                    acc[i][4 * c4 + 3] += p * vf.w;
+                }
+            }
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2) flash_v3(ATTN_ARGS) {
-    flash_tiled<true>(q, k, v, bq, bk, bv, o, lse, T, H, s_b, s_h, s_t, o_b, o_h, o_t, scale_log2, causal);
+    extern __shared__ float4 smem4[];
+    float* qs = reinterpret_cast<float*>(smem4);
+    float* kp = qs + BR * QS_STRIDE;
+    float* vs = kp + KP_FLOATS;
+    const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const long long base = b * s_b + h * s_h;
+    const int q0 = (causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR;
+    const float* bq_h = bq ? bq + h * D : nullptr;
+    const float* bk_h = bk ? bk + h * D : nullptr;
+    const float* bv_h = bv ? bv + h * D : nullptr;
+    for (int i = tid; i < BR * D / 4; i += THREADS) {
+        const int r = i / (D / 4), d = (i % (D / 4)) * 4;
+        float4 x = q0 + r < T ? load4(q + base + (q0 + r) * s_t + d, bq_h, d) : ZERO4;
+        x.x *= scale_log2; x.y *= scale_log2; x.z *= scale_log2; x.w *= scale_log2;
+        *reinterpret_cast<float4*>(qs + r * QS_STRIDE + d) = x;
+    }
+    float m[TM], l[TM], acc[TM][TD];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        m[i] = NEG_INF; l[i] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < TD; ++c) acc[i][c] = 0.0f;
+    }
+    const int kv_end = causal ? min(T, q0 + BR) : T;
+    for (int k0 = 0; k0 < kv_end; k0 += BC) {
+        __syncthreads();   // the previous tile's P and V are consumed (and Q is written, first time)
+        for (int i = tid; i < BC * D / 4; i += THREADS) {
+            const int j = i / (D / 4), d = (i % (D / 4)) * 4;
+            const bool in = k0 + j < T;
+            *reinterpret_cast<float4*>(kp + j * KS_STRIDE + d) = in ? load4(k + base + (k0 + j) * s_t + d, bk_h, d) : ZERO4;
+            *reinterpret_cast<float4*>(vs + j * D + d) = in ? load4(v + base + (k0 + j) * s_t + d, bv_h, d) : ZERO4;
+        }
+        __syncthreads();
+        float s[TM][TN];   // S = Q K^T for this thread's TM x TN tile
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int c = 0; c < TN; ++c) s[i][c] = 0.0f;
+#pragma unroll 4
+        for (int d = 0; d < D; d += 4) {
+            float4 qf[TM];
+#pragma unroll
+            for (int i = 0; i < TM; ++i) qf[i] = *reinterpret_cast<const float4*>(qs + (ty * TM + i) * QS_STRIDE + d);
+#pragma unroll
+            for (int c = 0; c < TN; ++c) {
+                const float4 kf = *reinterpret_cast<const float4*>(kp + (tx + 8 * c) * KS_STRIDE + d);
+#pragma unroll
+                for (int i = 0; i < TM; ++i)
+                    s[i][c] += qf[i].x * kf.x + qf[i].y * kf.y + qf[i].z * kf.z + qf[i].w * kf.w;
+            }
+        }
+        const bool edge = k0 + BC > T || (causal && k0 + BC - 1 > q0);   // the diagonal's tile or the last
+        if (edge) {               // keys past T, and (causal) keys after the query, get -inf
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int c = 0; c < TN; ++c) {
+                    const int j = k0 + tx + 8 * c, r = q0 + ty * TM + i;
+                    if (j >= T || (causal && j > r)) s[i][c] = NEG_INF;
+                }
+        }
+        // online softmax, one row at a time; the row's 8 owners are lanes 8*g .. 8*g+7
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+            float mx = s[i][0];
+#pragma unroll
+            for (int c = 1; c < TN; ++c) mx = fmaxf(mx, s[i][c]);
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 4));
+            const float m_new = fmaxf(m[i], mx);
+            const float m_use = m_new == NEG_INF ? 0.0f : m_new;   // a fully masked row so far: keep zeros
+            const float alpha = exp2f(m[i] - m_use);
+            float sum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < TN; ++c) { s[i][c] = exp2f(s[i][c] - m_use); sum += s[i][c]; }
+            l[i] = l[i] * alpha + sum;   // per-thread partial sum; the 8 partials are added at the end
+            m[i] = m_new;
+#pragma unroll
+            for (int c = 0; c < TD; ++c) acc[i][c] *= alpha;
+        }
+        __syncthreads();   // everyone is done reading K: P overwrites it
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int c = 0; c < TN; ++c) kp[(ty * TM + i) * PS_STRIDE + tx + 8 * c] = s[i][c];
+        __syncthreads();
+        pv_tile4(acc, kp, vs, ty, tx, min(BC, T - k0));   // O += P V
+    }
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        float li = l[i];
+        li += __shfl_xor_sync(FULL_MASK, li, 1);
+        li += __shfl_xor_sync(FULL_MASK, li, 2);
+        li += __shfl_xor_sync(FULL_MASK, li, 4);
+        const int r = q0 + ty * TM + i;
+        if (r >= T) continue;
+        const float inv = li > 0.0f ? 1.0f / li : 0.0f;
+        float* o_row = o + b * o_b + h * o_h + r * o_t;
+#pragma unroll
+        for (int c4 = 0; c4 < TD / 4; ++c4)
+            *reinterpret_cast<float4*>(o_row + tx * 4 + 32 * c4) =
+                make_float4(acc[i][4 * c4] * inv, acc[i][4 * c4 + 1] * inv, acc[i][4 * c4 + 2] * inv, acc[i][4 * c4 + 3] * inv);
+        if (lse && tx == 0) lse[(long long)blockIdx.y * T + r] = (m[i] + log2f(li)) * LN2;   // m: the same in all 8
+    }
 }

@@ -1,8 +1,9 @@
 // flash_attention_tc.cu - flash attention on tensor cores: fp16 or bf16 inputs, fp32 accumulation.
 //
 // The fp32 kernel (flash_attention.cu) is limited by the FMA units (common.fp32_peak_tflops()). Tensor
-// cores multiply 16x16 by 16x8 tiles in one instruction (mma.sync), an order of magnitude faster, but
-// they want their operands in a fixed "fragment" layout spread over the 32 lanes of a warp. This file
+// cores multiply 16x16 by 16x8 tiles in one instruction (mma.sync), at a multiple of the FMA rate (which
+// multiple depends on the chip: 02c_tensor_cores.ipynb measures it), but they want their operands in a
+// fixed "fragment" layout spread over the 32 lanes of a warp. This file
 // is the FlashAttention-2 forward pass written with inline PTX (no <mma.h>, which NVRTC cannot use
 // with the pip headers):
 //

@@ -92,37 +92,33 @@ struct Stage {                         // one K-tile in flight through registers
     float4 b[BN * BK / (4 * NT)];
 };
 
+// p[0..3] as a float4; only the first n of them exist, the others read as 0 (n <= 0: all 0). VEC: one
+// 16-byte load (p is then 16-byte aligned and n >= 4 whenever n > 0: K % 4 == 0 and N % 4 == 0).
+template <bool VEC>
+__device__ __forceinline__ float4 load4(const float* p, int n) {
+    if (VEC) return n > 0 ? *reinterpret_cast<const float4*>(p) : make_float4(0.f, 0.f, 0.f, 0.f);
+    return make_float4(n > 0 ? p[0] : 0.f, n > 1 ? p[1] : 0.f, n > 2 ? p[2] : 0.f, n > 3 ? p[3] : 0.f);
+}
+
+// Global -> registers: this thread's share of the BM x BK tile of A and the BK x BN tile of B at k0.
 template <bool VEC>
 __device__ __forceinline__ void fetch(Stage& st, const float* A, const float* B, int M, int N, int K,
                                       int bm, int bn, int k0, int tid) {
 #pragma unroll
     for (int i = 0; i < BM * BK / (4 * NT); i++) {
         const int f = tid + i * NT;
-        const int r = bm + f / (BK / 4), k = k0 + (f % (BK / 4)) * 4;
-        const float* p = A + (long long)r * K + k;
-        if (VEC) {
-            st.a[i] = r < M && k < K ? *reinterpret_cast<const float4*>(p) : make_float4(0.f, 0.f, 0.f, 0.f);
-        } else {
-            const bool in = r < M;
-            st.a[i] = make_float4(in && k < K ? p[0] : 0.f, in && k + 1 < K ? p[1] : 0.f,
-                                  in && k + 2 < K ? p[2] : 0.f, in && k + 3 < K ? p[3] : 0.f);
-        }
+        const int r = bm + f / (BK / 4), k = k0 + (f % (BK / 4)) * 4;      // row r, columns k .. k+3 of A
+        st.a[i] = load4<VEC>(A + (long long)r * K + k, r < M ? K - k : 0);
     }
 #pragma unroll
     for (int i = 0; i < BN * BK / (4 * NT); i++) {
         const int f = tid + i * NT;
-        const int k = k0 + f / (BN / 4), c = bn + (f % (BN / 4)) * 4;
-        const float* p = B + (long long)k * N + c;
-        if (VEC) {
-            st.b[i] = k < K && c < N ? *reinterpret_cast<const float4*>(p) : make_float4(0.f, 0.f, 0.f, 0.f);
-        } else {
-            const bool in = k < K;
-            st.b[i] = make_float4(in && c < N ? p[0] : 0.f, in && c + 1 < N ? p[1] : 0.f,
-                                  in && c + 2 < N ? p[2] : 0.f, in && c + 3 < N ? p[3] : 0.f);
-        }
+        const int k = k0 + f / (BN / 4), c = bn + (f % (BN / 4)) * 4;      // row k, columns c .. c+3 of B
+        st.b[i] = load4<VEC>(B + (long long)k * N + c, k < K ? N - c : 0);
     }
 }
 
+// Registers -> shared memory, A transposed (As[k][m]) so that the compute loop reads 4 rows as one float4.
 __device__ __forceinline__ void stash(const Stage& st, float (*As)[BM + APAD], float (*Bs)[BN], int tid) {
 #pragma unroll
     for (int i = 0; i < BM * BK / (4 * NT); i++) {
@@ -185,7 +181,7 @@ __device__ __forceinline__ void matmul_regtile(const float* __restrict__ A, cons
         // The other buffer was last read in iteration t-1, which every thread finished before the
         // barrier that ended it: writing it now is safe, and one barrier per K-tile is enough.
         if (t + 1 < tiles) stash(st, As[cur ^ 1], Bs[cur ^ 1], tid);
-        __syncthreads();
+        __syncthreads();                        // tile t+1 is in shared memory for everyone
     }
 
 #pragma unroll

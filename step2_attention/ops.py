@@ -1,5 +1,5 @@
 """Python side of step 2a: softmax (softmax.cu), matmul (matmul.cu) and the naive three-kernel attention
-(attention_naive.cu), plus the cuBLAS-based attention anchor; and, for step 2b's tensor cores, one `mma.sync`
+(attention_naive.cu), plus the cuBLAS-based attention anchor; and, for step 2c's tensor cores, one `mma.sync`
 tile by hand (mma_tile.cu) with the map of which lane holds which element (mma_fragment_map). Inputs are
 checked with common.expect_array; every GPU function returns a CuPy array (or fills `out`).
 
@@ -17,6 +17,7 @@ from common import expect_array, expect_choice, float4_rows, get_kernel, out_arr
 
 HERE = Path(__file__).resolve().parent
 SOFTMAX_VERSIONS = (1, 2, 3, 4)
+SOFTMAX_STEPS = (1, 2, 3, "4a", 4)     # the notebook's build-up: "4a" is v4's online rule alone (softmax_v4_scalar)
 MATMUL_VERSIONS = (1, 2, 3)
 
 SOFTMAX_BLOCK = 256     # v2 threads per row
@@ -37,38 +38,47 @@ def _check_int32(**sizes):
 # ------------------------------------------------------------------------------------------ softmax
 def softmax_kernel(version: int, vec: bool = True):
     """(kernel, threads per block) of softmax.cu's softmax_v<version>: what `softmax` launches. `vec=False`
-    gives v4's scalar fallback (any cols, any alignment)."""
-    expect_choice(version, "version", SOFTMAX_VERSIONS)
-    name = f"softmax_v{version}" if vec or version != 4 else "softmax_v4_scalar"
+    gives v4's scalar fallback (softmax_v4_scalar, "v4a": any cols, any alignment); rows longer than
+    32 * SOFTMAX_CACHE run softmax_v4_long (see _softmax_v4_launch)."""
+    expect_choice(version, "version", SOFTMAX_STEPS)
+    name = "softmax_v4_scalar" if version == "4a" or (version == 4 and not vec) else f"softmax_v{version}"
     kernel = get_kernel(HERE / "softmax.cu", name,
                         {"BLOCK": SOFTMAX_BLOCK, "WARPS": SOFTMAX_WARPS, "CACHE": SOFTMAX_CACHE})
     return kernel, {1: V1_BLOCK, 2: SOFTMAX_BLOCK}.get(version, 32 * SOFTMAX_WARPS)
 
 
 def _softmax_v4_launch(x, y, rows: int, cols: int, scale: float = 1.0, causal: bool = False,
-                       period: int = 1, offset: int = 0):
-    """Launch softmax_v4 (float4) or softmax_v4_scalar on already-checked buffers (y may be x)."""
-    vec = float4_rows(cols, x, y)
-    kernel, threads = softmax_kernel(4, vec)
+                       period: int = 1, offset: int = 0, online_only: bool = False):
+    """Launch softmax_v4 (float4, rows up to 32 * SOFTMAX_CACHE), softmax_v4_long (float4, longer rows) or
+    softmax_v4_scalar (any cols, any alignment; always with `online_only`, step "4a") on already-checked buffers
+    (y may be x)."""
+    vec = not online_only and float4_rows(cols, x, y)
+    if vec and cols > 32 * SOFTMAX_CACHE:       # the row does not fit in a warp's registers: two passes
+        kernel = get_kernel(HERE / "softmax.cu", "softmax_v4_long",
+                            {"BLOCK": SOFTMAX_BLOCK, "WARPS": SOFTMAX_WARPS, "CACHE": SOFTMAX_CACHE})
+        threads = 32 * SOFTMAX_WARPS
+    else:
+        kernel, threads = softmax_kernel(4, vec)
     kernel((-(-rows // SOFTMAX_WARPS),), (threads,), (x, y, np.int32(rows), np.int32(cols), np.float32(scale),
                                                       np.int32(bool(causal)), np.int32(max(period, 1)),
                                                       np.int32(offset)))
 
 
-def softmax(x, version: int = 4, out=None):
-    """Softmax over the last axis of a (rows, cols) float32 C-contiguous GPU array, with softmax_v<version>.
+def softmax(x, version: int | str = 4, out=None):
+    """Softmax over the last axis of a (rows, cols) float32 C-contiguous GPU array, with softmax_v<version>
+    (version "4a": v4's online rule alone, softmax_v4_scalar).
 
     A row that is entirely -inf gives zeros (like common.reference.softmax). `out` may be `x` (in place).
     """
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
-    expect_choice(version, "version", SOFTMAX_VERSIONS)
+    expect_choice(version, "version", SOFTMAX_STEPS)
     rows, cols = x.shape
     _check_int32(rows=rows, cols=cols)
     y = out_array(out, x.shape)
     if rows == 0 or cols == 0:
         return y
-    if version == 4:
-        _softmax_v4_launch(x, y, rows, cols)
+    if version in (4, "4a"):
+        _softmax_v4_launch(x, y, rows, cols, online_only=version == "4a")
         return y
     kernel, threads = softmax_kernel(version)
     if version == 2:        # one block per row
@@ -79,10 +89,11 @@ def softmax(x, version: int = 4, out=None):
     return y
 
 
-def softmax_bytes(rows: int, cols: int, version: int) -> dict:
+def softmax_bytes(rows: int, cols: int, version: int | str) -> dict:
     """DRAM bytes each version moves if nothing is cached between passes (the napkin math), and the floor."""
+    expect_choice(version, "version", SOFTMAX_STEPS)
     n = 4 * rows * cols
-    reads = {1: 3, 2: 3, 3: 3, 4: 1 if cols <= 32 * SOFTMAX_CACHE else 2}[version]
+    reads = {1: 3, 2: 3, 3: 3, "4a": 2, 4: 1 if cols <= 32 * SOFTMAX_CACHE else 2}[version]   # v4: float4 rows
     return {"read": reads * n, "written": n, "floor": 2 * n}
 
 

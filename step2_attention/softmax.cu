@@ -12,23 +12,24 @@
 //       2nd and 3rd reads of a row mostly hit L1/L2.
 //   v3  one warp per row: the tree becomes 5 register shuffles (__shfl_xor_sync), no shared memory and
 //       no barriers; a block holds WARPS rows. Still three passes.
-//   v4  online softmax + float4 + the row in registers. Each lane keeps a running (max m, sum s); two
-//       partial results merge with the online rule  m = max(m1, m2), s = s1 e^(m1-m) + s2 e^(m2-m),
-//       so max and sum need ONE pass. When the row fits in registers (<= 32*CACHE floats per warp,
-//       e.g. 1024 floats with CACHE=32) the row is read once, kept in registers, and written once:
-//       the 8-bytes-per-element floor. Longer rows stream: one online pass + one writing pass
-//       (2 reads + 1 write instead of 3 + 1). float4 loads when cols % 4 == 0 and both buffers are
-//       16-byte aligned (the Python side checks), plain floats otherwise. All of a lane's loads are
-//       issued before any value is used, so 8 float4 per lane are in flight at once (a load followed
-//       by its use, 8 times in a row, waits for DRAM 8 times).
-//       v4 also takes a scale (softmax(scale * x)) and an optional causal mask (row i of every
-//       `period` rows sees columns 0 .. i + offset; the rest read as -inf and are never loaded), which
-//       is the masked softmax of attention (see ops.attention_cublas).
+//   v4a one warp per row + the online rule: each lane keeps a running (max m, sum s), and two partial
+//       results merge as  m = max(m1, m2), s = s1 e^(m1-m) + s2 e^(m2-m),  so max and sum need ONE
+//       pass: 2 reads + 1 write. It takes any cols and any alignment (the fallback of v4: the kernel
+//       softmax_v4_scalar), and a scale and causal mask (below).
+//   v4  v4a + the row kept in registers + float4 (16-byte) loads. When the row fits (<= 32*CACHE floats
+//       per warp, 1024 with CACHE=32) it is read once, kept in registers, and written once: the
+//       8-bytes-per-element floor. All of a lane's loads are issued before any value is used, so 8
+//       float4 per lane are in flight at once (a load followed by its use, 8 times in a row, would wait
+//       for DRAM 8 times). Longer rows: softmax_v4_long streams them, 2 reads + 1 write, in float4.
+//       Needs cols % 4 == 0 and 16-byte-aligned buffers (the Python side checks; else it runs v4a).
+//   v4 and v4a also take a scale (softmax(scale * x)) and an optional causal mask (row i of every
+//   `period` rows sees columns 0 .. i + offset; the rest read as -inf and are never loaded): the masked
+//   softmax of attention (see ops.attention_cublas).
 //
 // Masked rows: a row that is all -inf gives zeros (common.reference.softmax's convention); e^(-inf - m)
 // is computed as 0 explicitly when m is itself -inf, so no NaN from (-inf) - (-inf) ever appears.
 // Every kernel may run in place (y == x): a row is fully read before any element of it is written
-// (v1..v3, v4 cached), or each element is read right before it is overwritten (v4 streaming).
+// (v1..v3, v4 cached), or each element is read right before it is overwritten (v4a, v4 streaming).
 //
 // Compile-time knobs: BLOCK (v2 threads per row, power of two, default 256), WARPS (v3/v4 rows per
 // block, default 4), CACHE (v4 floats per lane kept in registers, multiple of 4, default 32).
@@ -116,132 +117,132 @@ extern "C" __global__ void softmax_v3(const float* x, float* y, int rows, int co
     for (int j = lane; j < cols; j += 32) yr[j] = exp_shifted(xr[j], m) * inv;
 }
 
-// ------------------------------------------------------------------ v4: online, vectorized, cached
-template <int VEC> struct VecOf;
-template <> struct VecOf<4> { using T = float4; };
-template <> struct VecOf<1> { using T = float; };
-
-__device__ __forceinline__ void to_array(float4 v, float* a) { a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w; }
-__device__ __forceinline__ void to_array(float v, float* a) { a[0] = v; }
-__device__ __forceinline__ float4 from_array(const float* a, float4) { return make_float4(a[0], a[1], a[2], a[3]); }
-__device__ __forceinline__ float from_array(const float* a, float) { return a[0]; }
-
-__device__ __forceinline__ void neg_inf_vec(float4& v) { v = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF); }
-__device__ __forceinline__ void neg_inf_vec(float& v) { v = NEG_INF; }
-
-// Load vector `idx` of a row unless it lies entirely at or past `n` (the unmasked length): masked
-// vectors are never read. Only the load, so that several can be in flight before any is used.
-template <int VEC>
-__device__ __forceinline__ typename VecOf<VEC>::T load_raw(const float* xr, int idx, int n) {
-    using V = typename VecOf<VEC>::T;
-    V r;
-    neg_inf_vec(r);
-    if (idx * VEC < n) r = reinterpret_cast<const V*>(xr)[idx];
-    return r;
+// Columns 0 .. n-1 of row r are visible: all of them, or under a causal mask (row i of every `period`
+// rows sees columns 0 .. i + offset) fewer. Masked columns read as -inf and are never loaded.
+__device__ __forceinline__ int visible(int r, int cols, int causal, int period, int offset) {
+    return causal ? max(0, min(cols, r % period + offset + 1)) : cols;
 }
 
-// Scale the loaded values; elements at or past `n` become -inf.
-template <int VEC, typename V>
-__device__ __forceinline__ void unpack_masked(V r, int idx, int n, float scale, float* a) {
-    to_array(r, a);
+// ------------------------------------------------------------------ v4a: the online rule (any cols, any alignment)
+// v3 plus one idea: max and sum in ONE pass. Each lane keeps a running (m, s); a new element x gives
+// m' = max(m, x), s' = s e^(m - m') + e^(x - m'). Then the 32 lanes' pairs merge with the same rule.
+// 2 reads + 1 write. Also the scaled, causally masked softmax of attention (ops.attention_cublas).
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+softmax_v4_scalar(const float* x, float* y, int rows, int cols, float scale, int causal, int period, int offset) {
+    const int lane = threadIdx.x % 32;
+    const int r = blockIdx.x * WARPS + threadIdx.x / 32;
+    if (r >= rows) return;                   // whole warps leave together: the shuffles stay full-mask
+    const float* xr = x + (long long)r * cols;
+    float* yr = y + (long long)r * cols;
+    const int n = visible(r, cols, causal, period, offset);
+    float m = NEG_INF, s = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+        const float xj = xr[j] * scale;
+        const float mn = fmaxf(m, xj);
+        s = s * exp_shifted(m, mn) + exp_shifted(xj, mn);   // rescale the old sum to the new max
+        m = mn;
+    }
+    const float mrow = warp_max(m);
+    const float srow = warp_sum(s * exp_shifted(m, mrow));  // each lane's sum, rescaled to the row's max
+    const float inv = srow > 0.0f ? 1.0f / srow : 0.0f;
+    for (int j = lane; j < cols; j += 32) yr[j] = j < n ? exp_shifted(xr[j] * scale, mrow) * inv : 0.0f;
+}
+
+// ------------------------------------------------------------------ v4: + the row in registers, float4 loads
+#define NV (CACHE / 4)                 // float4s per lane kept in registers: rows up to 128 * NV floats
+
+// One 16-byte load of floats 4*i .. 4*i+3 of a row, unless all four are masked (at or past n).
+// Only the load: the caller issues several before it uses any, so they are in flight together.
+__device__ __forceinline__ float4 load4(const float* xr, int i, int n) {
+    return 4 * i < n ? reinterpret_cast<const float4*>(xr)[i] : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+}
+
+// The four values of load4(xr, i, n), scaled, into a[0..3]; those at or past n become -inf.
+__device__ __forceinline__ void unpack4(float4 v, int i, int n, float scale, float* a) {
+    a[0] = v.x; a[1] = v.y; a[2] = v.z; a[3] = v.w;
 #pragma unroll
-    for (int e = 0; e < VEC; e++) a[e] = idx * VEC + e < n ? a[e] * scale : NEG_INF;
+    for (int e = 0; e < 4; e++) a[e] = 4 * i + e < n ? a[e] * scale : NEG_INF;
 }
 
-template <int VEC>
-__device__ __forceinline__ void softmax_online(const float* x, float* y, int rows, int cols, float scale,
-                                               int causal, int period, int offset) {
-    using V = typename VecOf<VEC>::T;
-    constexpr int NV = CACHE / VEC;          // vectors per lane kept in registers
+// x and y 16-byte aligned, cols % 4 == 0 and cols <= 32 * CACHE (the Python side checks; otherwise it
+// launches softmax_v4_long or v4a).
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+softmax_v4(const float* x, float* y, int rows, int cols, float scale, int causal, int period, int offset) {
     const int lane = threadIdx.x % 32;
     const int r = blockIdx.x * WARPS + threadIdx.x / 32;
     if (r >= rows) return;
     const float* xr = x + (long long)r * cols;
     float* yr = y + (long long)r * cols;
-    const int nvec = cols / VEC;
-    const int n = causal ? max(0, min(cols, r % period + offset + 1)) : cols;   // unmasked prefix length
-
-    if (nvec <= 32 * NV) {
-        // The whole row fits in the warp's registers: read once, write once.
-        V raw[NV];
+    const int n = visible(r, cols, causal, period, offset);
+    const int n4 = cols / 4;
+    float4 raw[NV];                              // the row, in the warp's registers: read once, write once
 #pragma unroll
-        for (int c = 0; c < NV; c++) raw[c] = load_raw<VEC>(xr, lane + 32 * c, n);   // all loads in flight
-        float v[NV][VEC];
-        float m = NEG_INF;
+    for (int c = 0; c < NV; c++) raw[c] = load4(xr, lane + 32 * c, n);   // all NV loads in flight at once
+    float v[NV][4];
+    float m = NEG_INF;
 #pragma unroll
-        for (int c = 0; c < NV; c++) {
-            unpack_masked<VEC>(raw[c], lane + 32 * c, n, scale, v[c]);
+    for (int c = 0; c < NV; c++) {
+        unpack4(raw[c], lane + 32 * c, n, scale, v[c]);
 #pragma unroll
-            for (int e = 0; e < VEC; e++) m = fmaxf(m, v[c][e]);
-        }
-        float s = 0.0f;
-#pragma unroll
-        for (int c = 0; c < NV; c++)
-#pragma unroll
-            for (int e = 0; e < VEC; e++) { v[c][e] = exp_shifted(v[c][e], m); s += v[c][e]; }
-        // Each lane holds (m, s) of its own slice; merge the 32 of them with the online rule.
-        const float mrow = warp_max(m);
-        const float f = exp_shifted(m, mrow);
-        const float srow = warp_sum(s * f);
-        const float k = srow > 0.0f ? f / srow : 0.0f;
-#pragma unroll
-        for (int c = 0; c < NV; c++) {
-            const int idx = lane + 32 * c;
-            if (idx < nvec) {
-                float o[VEC];
-#pragma unroll
-                for (int e = 0; e < VEC; e++) o[e] = v[c][e] * k;
-                reinterpret_cast<V*>(yr)[idx] = from_array(o, V{});
-            }
-        }
-        return;
+        for (int e = 0; e < 4; e++) m = fmaxf(m, v[c][e]);
     }
-
-    // Long row: pass 1 keeps a running (max, sum) per lane (online), pass 2 re-reads and writes.
-    // UNROLL vectors are loaded before any is used, to keep several loads in flight per lane.
-    constexpr int UNROLL = 16 / VEC;
-    float m = NEG_INF, s = 0.0f;
-    for (int base = lane; base * VEC < n; base += 32 * UNROLL) {
-        V raw[UNROLL];
+    float s = 0.0f;                              // this lane's (m, s), its values kept as e^(x - m)
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) raw[u] = load_raw<VEC>(xr, base + 32 * u, n);
-        float a[UNROLL][VEC];
+    for (int c = 0; c < NV; c++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) { v[c][e] = exp_shifted(v[c][e], m); s += v[c][e]; }
+    const float mrow = warp_max(m);              // merge the 32 lanes' (m, s) with the online rule
+    const float f = exp_shifted(m, mrow);
+    const float srow = warp_sum(s * f);
+    const float k = srow > 0.0f ? f / srow : 0.0f;   // e^(x - m) * k = e^(x - mrow) / srow
+#pragma unroll
+    for (int c = 0; c < NV; c++) {
+        const int i = lane + 32 * c;
+        if (i < n4) reinterpret_cast<float4*>(yr)[i] = make_float4(v[c][0] * k, v[c][1] * k, v[c][2] * k, v[c][3] * k);
+    }
+}
+
+// Rows longer than the registers hold (cols > 32 * CACHE): v4a's two passes with 4 float4 loads in flight
+// per lane: pass 1 keeps the online (m, s), pass 2 re-reads and writes. 2 reads + 1 write. Same arguments
+// and alignment as softmax_v4; the Python side launches it for long rows.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+softmax_v4_long(const float* x, float* y, int rows, int cols, float scale, int causal, int period, int offset) {
+    const int lane = threadIdx.x % 32;
+    const int r = blockIdx.x * WARPS + threadIdx.x / 32;
+    if (r >= rows) return;
+    const float* xr = x + (long long)r * cols;
+    float* yr = y + (long long)r * cols;
+    const int n = visible(r, cols, causal, period, offset);
+    const int n4 = cols / 4;
+    float m = NEG_INF, s = 0.0f;
+    for (int base = lane; 4 * base < n; base += 32 * 4) {
+        float4 raw[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) raw[u] = load4(xr, base + 32 * u, n);
+        float a[4][4];
         float lm = NEG_INF;
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            unpack_masked<VEC>(raw[u], base + 32 * u, n, scale, a[u]);
+        for (int u = 0; u < 4; u++) {
+            unpack4(raw[u], base + 32 * u, n, scale, a[u]);
 #pragma unroll
-            for (int e = 0; e < VEC; e++) lm = fmaxf(lm, a[u][e]);
+            for (int e = 0; e < 4; e++) lm = fmaxf(lm, a[u][e]);
         }
-        const float mn = fmaxf(m, lm);          // the online rule: rescale the old sum to the new max
+        const float mn = fmaxf(m, lm);           // the online rule, 16 elements at a time
         float ls = 0.0f;
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++)
+        for (int u = 0; u < 4; u++)
 #pragma unroll
-            for (int e = 0; e < VEC; e++) ls += exp_shifted(a[u][e], mn);
+            for (int e = 0; e < 4; e++) ls += exp_shifted(a[u][e], mn);
         s = s * exp_shifted(m, mn) + ls;
         m = mn;
     }
     const float mrow = warp_max(m);
     const float srow = warp_sum(s * exp_shifted(m, mrow));
     const float inv = srow > 0.0f ? 1.0f / srow : 0.0f;
-    for (int idx = lane; idx < nvec; idx += 32) {
-        float a[VEC];
-        unpack_masked<VEC>(load_raw<VEC>(xr, idx, n), idx, n, scale, a);
-#pragma unroll
-        for (int e = 0; e < VEC; e++) a[e] = exp_shifted(a[e], mrow) * inv;
-        reinterpret_cast<V*>(yr)[idx] = from_array(a, V{});
+    for (int i = lane; i < n4; i += 32) {
+        float a[4];
+        unpack4(load4(xr, i, n), i, n, scale, a);
+        reinterpret_cast<float4*>(yr)[i] = make_float4(exp_shifted(a[0], mrow) * inv, exp_shifted(a[1], mrow) * inv,
+                                                       exp_shifted(a[2], mrow) * inv, exp_shifted(a[3], mrow) * inv);
     }
-}
-
-// x and y 16-byte aligned, cols % 4 == 0.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-softmax_v4(const float* x, float* y, int rows, int cols, float scale, int causal, int period, int offset) {
-    softmax_online<4>(x, y, rows, cols, scale, causal, period, offset);
-}
-
-// Any cols, any alignment.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-softmax_v4_scalar(const float* x, float* y, int rows, int cols, float scale, int causal, int period, int offset) {
-    softmax_online<1>(x, y, rows, cols, scale, causal, period, offset);
 }

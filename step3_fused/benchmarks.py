@@ -174,9 +174,10 @@ def decode_call(schedule: str, case: dict, graph: bool = False):
     """A call of ops.decode_sublayer(schedule) on preallocated buffers, to time with common.bench (its bytes:
     decode_bytes). graph=True: the call captured once as a CUDA graph and replayed on the current stream (one
     launch, no Python between kernels); capturing raises for the separate schedules, since CuPy refuses cuBLAS
-    calls in a capture. The returned function's `outputs` are the (r, y) buffers every call rewrites. bench's `median_ms` is the GPU's time (it queues the call behind 100 us of GPU work, so
-    host launch overhead is hidden); `wall_median_ms` is the host clock around one call + synchronize from an
-    idle GPU, overhead included."""
+    calls in a capture. The returned function's `outputs` are the (r, y) buffers every call rewrites. bench's
+    `median_ms` is the GPU's time (it queues the call behind GPU work that outlasts the host's time to issue it,
+    so the host's work is hidden); `host_median_ms` is that host work per call; `wall_median_ms` is the host clock
+    around one call + synchronize from an idle GPU, the host's work and the GPU's idle time included."""
     import cupy as cp
     from step3_fused import ops
     B, C = case["x"].shape

@@ -19,8 +19,8 @@
 //                       epilogue fused: + bias, + bias then GELU, or q/k/v scattered into the KV cache
 //                       at each sequence's position (read on the device, so a graph can replay it).
 //   gemv_v4             the warps of a block split K for the same ROWS rows and combine in shared memory:
-//                       a 768-row matrix gets N/ROWS blocks instead of N/(4*ROWS), enough loads in flight
-//                       to fill HBM even for the small (768 x 768, 3072 -> 768) matrices of a step.
+//                       a 768-row matrix gets N/ROWS blocks instead of N/(4*ROWS): more loads in flight
+//                       for the small (768 x 768, 3072 -> 768) matrices of a step (04a times each version).
 //   gemv_v5             all of a matrix's bytes in flight at once: a block of up to 8 warps splits K for
 //                       ROWS rows and each lane issues every load of its slice up front (V5_UNROLL float4s
 //                       per row, unrolled), so a 2-9 MB matrix is one DRAM round trip, not a loop of them;

@@ -116,21 +116,21 @@ def test_render_replaces_a_page_only_when_the_new_one_is_complete(tmp_path, monk
 
 
 def test_course_notebooks_are_found_in_subpackages_in_course_order(tmp_path, monkeypatch):
-    names = ["step4_gpt2/megakernel/04c_megakernel.ipynb", "step4_gpt2/04_gpt2.ipynb",
-             "step4_gpt2/train/04b_train_gpt.ipynb", "step1_simple/02_reductions.ipynb",
-             "step1_simple/01_elementwise.ipynb", "step2_attention/02a_softmax.ipynb",
-             "step1_simple/.ipynb_checkpoints/01_elementwise-checkpoint.ipynb", "step4_gpt2/train/lab/try.ipynb",
+    names = ["step4_gpt2/megakernel/04c_megakernel.ipynb", "step4_gpt2/04a_gpt2.ipynb",
+             "step4_gpt2/train/04b_train_gpt.ipynb", "step1_simple/01b_reductions.ipynb",
+             "step1_simple/01a_elementwise.ipynb", "step2_attention/02a_softmax.ipynb",
+             "step1_simple/.ipynb_checkpoints/01a_elementwise-checkpoint.ipynb", "step4_gpt2/train/lab/try.ipynb",
              "step2_attention/exercises/ex.ipynb", "docs/not_a_step.ipynb"]
     for n in names:
         (tmp_path / n).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / n).write_text("{}")
     got = [p.relative_to(tmp_path).as_posix() for p in render.course_notebooks(tmp_path)]
-    assert got == ["step1_simple/01_elementwise.ipynb", "step1_simple/02_reductions.ipynb",
-                   "step2_attention/02a_softmax.ipynb", "step4_gpt2/04_gpt2.ipynb",
+    assert got == ["step1_simple/01a_elementwise.ipynb", "step1_simple/01b_reductions.ipynb",
+                   "step2_attention/02a_softmax.ipynb", "step4_gpt2/04a_gpt2.ipynb",
                    "step4_gpt2/train/04b_train_gpt.ipynb", "step4_gpt2/megakernel/04c_megakernel.ipynb"]
     # the repository's own notebooks: each lesson once, and the default of `python -m common.render`
     ours = render.course_notebooks()
-    assert len({p.stem for p in ours}) == len(ours) and ours[0].name == "01_elementwise.ipynb"
+    assert len({p.stem for p in ours}) == len(ours) and ours[0].name == "01a_elementwise.ipynb"
 
 
 def test_the_index_lists_every_notebook_in_course_order_with_its_pages_own_run(tmp_path):
@@ -149,7 +149,7 @@ def test_the_index_lists_every_notebook_in_course_order_with_its_pages_own_run(t
 
 
 def test_rendered_pages_keep_the_notebooks_links_working():
-    step, page = render.ROOT / "step1_simple", render.ROOT / "docs" / "rendered" / "01_elementwise"
+    step, page = render.ROOT / "step1_simple", render.ROOT / "docs" / "rendered" / "01a_elementwise"
     md = ("[glossary](../docs/glossary.md#warp), [web](https://example.org/a.md), [here](#top), "
           "![diagram](pic.png) and [the kernel](axpb.cu)")
     got = render.relink(md, step, page)

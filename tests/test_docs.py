@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from common.render import course_notebooks
+
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ("step1_simple/01_elementwise.ipynb", "step1_simple/02_reductions_gpu_vs_cpu.ipynb",
-             "step2_attention/02a_softmax_matmul.ipynb", "step2_attention/02b_flash_attention.ipynb",
-             "step3_fused/03a_fusion.ipynb", "step3_fused/03b_fused_training.ipynb",
-             "step3_fused/03c_when_fusion_pays.ipynb", "step4_gpt2/04_gpt2.ipynb",
-             "step4_gpt2/train/04b_train_gpt.ipynb", "step4_gpt2/megakernel/04c_megakernel.ipynb")
+NOTEBOOKS = tuple(p.relative_to(ROOT).as_posix() for p in course_notebooks(ROOT))
 README_WORDS = 1200
+PROSE_WORDS = 250      # a notebook's markdown cell
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 RESULTS_LINES = 300
 
 # The project's checks for run history: a commit-hash-like token (after removing URLs) and history phrases.
@@ -66,22 +66,86 @@ def test_readme_is_a_guide_listing_every_notebook():
     assert words <= README_WORDS, f"README.md has {words} words; at most {README_WORDS}"
     missing = [n for n in NOTEBOOKS if n not in text]
     assert not missing, f"README.md does not list: {missing}"
+    where = [text.index(n) for n in NOTEBOOKS]
+    assert where == sorted(where), f"README.md lists the notebooks out of course order: {NOTEBOOKS}"
     assert text.count("<!-- results -->") == 1 and text.count("<!-- /results -->") == 1
 
 
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+def test_notebook_names_show_the_order():
+    """Inside a step, the names sort in the order the lessons are taught (01a, 01b, ...; 04a, 04b, 04c), and no
+    two notebooks share a number."""
+    stems = [Path(n).stem for n in NOTEBOOKS]
+    numbers = [re.match(r"(\d\d)([a-z])_", s) for s in stems]
+    assert all(numbers), f"every notebook is named NNx_topic: {stems}"
+    keys = [m.group(1) + m.group(2) for m in numbers]
+    assert len(set(keys)) == len(keys) and keys == sorted(keys), keys
+    for n, m in zip(NOTEBOOKS, numbers):
+        assert n.startswith(f"step{int(m.group(1))}_"), f"{n}: its number does not match its step"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_opens_with_its_title_and_keeps_prose_short(name):
+    nb = json.loads((ROOT / name).read_text())
+    first = nb["cells"][0]
+    head = "".join(first["source"]).lstrip()
+    lesson = re.match(r"(\d\d)([a-z])_", Path(name).stem)
+    want = f"# Step {int(lesson.group(1))}{lesson.group(2)}"
+    assert first["cell_type"] == "markdown" and head.startswith(want), \
+        f"{name} opens with {head[:60]!r}; expected a title cell starting {want!r}"
+    long = [(i, len("".join(c["source"]).split())) for i, c in enumerate(nb["cells"])
+            if c["cell_type"] == "markdown" and len("".join(c["source"]).split()) > PROSE_WORDS]
+    assert not long, f"{name}: markdown cells over {PROSE_WORDS} words (cell, words): {long}"
+
+
+def anchors_of(md: Path) -> set[str]:
+    """The anchors a link may name in a Markdown file: explicit `<a id=...>` and GitHub's heading slugs."""
+    text = md.read_text()
+    ids = set(re.findall(r'<a\s+(?:id|name)="([^"]+)"', text))
+    for h in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, re.M):
+        ids.add(re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-"))
+    return ids
+
+
+def broken_links(text: str, base: Path) -> list[str]:
+    broken = []
+    for m in LINK.finditer(text):
+        link = m.group(1) or m.group(2)
+        target, _, anchor = link.partition("#")
+        if re.match(r"[a-z]+:", target) or (not target and not anchor):
+            continue
+        path = (base / target) if target else None
+        if path is not None and not path.exists():
+            broken.append(link)
+        elif anchor and path is not None and path.suffix == ".md" and anchor not in anchors_of(path):
+            broken.append(link)
+    return broken
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_links_resolve(name):
+    """A notebook's links to the primer, the glossary and other lessons reach a file and, into a Markdown file,
+    an anchor that exists there."""
+    path = ROOT / name
+    text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+    broken = broken_links(text, path.parent)
+    assert not broken, f"{name}: broken links: {broken}"
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs" / "rendered").glob("*/*.md")),
+                         ids=lambda p: p.parent.name)
+def test_rendered_pages_print_no_block_over_80_lines(page):
+    """What a learner reads in a rendered run fits a screen: no printed output (or shown source) over 80 lines."""
+    from common.kernels import MAX_SHOWN_LINES
+    blocks = re.findall(r"^(`{3,4})[^\n]*\n(.*?)^\1\s*$", page.read_text(), re.M | re.S)
+    long = [len(b.splitlines()) for _, b in blocks if len(b.splitlines()) > MAX_SHOWN_LINES]
+    assert not long, f"{page.relative_to(ROOT)}: printed blocks of {long} lines; at most {MAX_SHOWN_LINES}"
+
 
 
 @pytest.mark.parametrize("path", learner_docs(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_to_files_that_exist(path):
-    broken = []
-    for m in LINK.finditer(path.read_text()):
-        target = (m.group(1) or m.group(2)).split("#")[0]
-        if not target or re.match(r"[a-z]+:", target):
-            continue
-        if not (path.parent / target).exists():
-            broken.append(target)
-    assert not broken, f"{path.relative_to(ROOT)}: links to missing files: {broken}"
+    broken = broken_links(path.read_text(), path.parent)
+    assert not broken, f"{path.relative_to(ROOT)}: links to missing files or anchors: {broken}"
 
 
 def test_results_page_is_short():

@@ -107,7 +107,7 @@ def test_opening_and_running_changes_nothing_git_stores(path, tmp_path):
 def test_gitattributes_names_the_notebook_filter():
     if WHY_NOT:
         pytest.skip(WHY_NOT)
-    r = subprocess.run(["git", "check-attr", "filter", "diff", "--", "step1_simple/01_elementwise.ipynb"], cwd=ROOT,
+    r = subprocess.run(["git", "check-attr", "filter", "diff", "--", "step1_simple/01a_elementwise.ipynb"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert "filter: nbstripout" in r.stdout and "diff: ipynb" in r.stdout, r.stdout + r.stderr
 

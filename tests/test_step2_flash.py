@@ -1,4 +1,4 @@
-"""Step 2b: fused attention (fp32 flash, QKV-buffer variant, tensor cores, decode) vs float64 references.
+"""Steps 2b and 2c: fused attention (fp32 flash, QKV-buffer variant, decode; tensor cores) vs float64 references.
 Random inputs, NaN-poisoned outputs, awkward lengths (1, 7, 63, 64, 65, 1000, 1024), B*H odd."""
 import functools
 

@@ -1,4 +1,4 @@
-"""Step 2b's one-tile tensor-core example (mma_tile.cu): the fragment map against the PTX ISA's tables (CPU),
+"""Step 2c's one-tile tensor-core example (mma_tile.cu): the fragment map against the PTX ISA's tables (CPU),
 every variant compiled offline for every arch (CPU), and on the GPU: v1/v2/v3 against the float64 product of
 the fp16/bf16 inputs, the versions against each other, the map against the hardware, and bad-input errors."""
 import numpy as np

@@ -32,7 +32,8 @@ def test_every_version_a_wrapper_accepts_has_its_kernel():
     wanted = {(s1, "step1_simple/axpb.cu"): [f"axpb_v{v}" for v in ops1.AXPB_VERSIONS],
               (s1, "step1_simple/reduce.cu"): [f"sum_v{v}" for v in ops1.SUM_VERSIONS],
               (s1, "step1_simple/zoo.cu"): [f"zoo_{op}" for op in zoo],
-              (s2, "step2_attention/softmax.cu"): [f"softmax_v{v}" for v in ops.SOFTMAX_VERSIONS],
+              (s2, "step2_attention/softmax.cu"): [f"softmax_v{v}" for v in ops.SOFTMAX_VERSIONS]
+              + ["softmax_v4_scalar", "softmax_v4_long"],
               (s2, "step2_attention/matmul.cu"): [f"matmul_v{v}" for v in ops.MATMUL_VERSIONS],
               (fl, "step2_attention/flash_attention.cu"): [f"flash_v{v}" for v in flash.FLASH_VERSIONS],
               (s2, "step2_attention/mma_tile.cu"): [f"mma_tile_v{v}<{b}>" for v in ops.MMA_VERSIONS
@@ -56,6 +57,8 @@ def test_napkin_math_helpers():
     b = ops.softmax_bytes(98304, 1024, 4)
     assert b["read"] + b["written"] == b["floor"] == 8 * 98304 * 1024
     assert ops.softmax_bytes(10, 1024, 1)["read"] == 3 * 4 * 10 * 1024
+    assert ops.softmax_bytes(10, 1024, "4a")["read"] == 2 * 4 * 10 * 1024
+    assert ops.softmax_bytes(10, 4096, 4)["read"] == 2 * 4 * 10 * 4096      # softmax_v4_long: two passes
 
 
 # --------------------------------------------------------------------------------------------- softmax
@@ -63,6 +66,10 @@ def test_napkin_math_helpers():
 SOFTMAX_RTOL = 2e-6
 SMALL_SHAPES = [(1, 1), (1, 7), (37, 33), (5, 1000), (37, 1024), (3, 4097)]
 LARGE_SHAPES = [(4099, 1024), (1031, 1000), (257, 8192), (65, 4097), (20000, 7)]
+
+
+def _seed(version) -> int:
+    return 5 if version == "4a" else version
 
 
 def _check_softmax(x, version, name):
@@ -73,17 +80,17 @@ def _check_softmax(x, version, name):
 
 @gpu
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", ops.SOFTMAX_VERSIONS)
+@pytest.mark.parametrize("version", ops.SOFTMAX_STEPS)
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=str)
 def test_softmax_small(version, shape):
-    _check_softmax(g(*shape, seed=sum(shape) + version, low=-4, high=4), version, f"softmax_v{version} {shape}")
+    _check_softmax(g(*shape, seed=sum(shape) + _seed(version), low=-4, high=4), version, f"softmax_v{version} {shape}")
 
 
 @gpu
-@pytest.mark.parametrize("version", ops.SOFTMAX_VERSIONS)
+@pytest.mark.parametrize("version", ops.SOFTMAX_STEPS)
 @pytest.mark.parametrize("shape", LARGE_SHAPES, ids=str)
 def test_softmax_large(version, shape):
-    _check_softmax(g(*shape, seed=version, low=-8, high=8), version, f"softmax_v{version} {shape}")
+    _check_softmax(g(*shape, seed=_seed(version), low=-8, high=8), version, f"softmax_v{version} {shape}")
 
 
 def _masked(rows, cols, seed):
@@ -102,7 +109,7 @@ def _masked(rows, cols, seed):
 
 @gpu
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", ops.SOFTMAX_VERSIONS)
+@pytest.mark.parametrize("version", ops.SOFTMAX_STEPS)
 @pytest.mark.parametrize("cols", [1, 7, 33, 1024, 4097, 8192])
 def test_softmax_masked_rows(version, cols):
     x = _masked(9, cols, seed=cols)
@@ -114,7 +121,7 @@ def test_softmax_masked_rows(version, cols):
 
 @gpu
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", ops.SOFTMAX_VERSIONS)
+@pytest.mark.parametrize("version", ops.SOFTMAX_STEPS)
 @pytest.mark.parametrize("magnitude", [1e4, 1e30, 1e38])
 def test_softmax_large_magnitudes(version, magnitude):
     x = g(17, 1000, seed=3) * np.float32(magnitude)        # exp(x) overflows without the max shift
@@ -123,7 +130,7 @@ def test_softmax_large_magnitudes(version, magnitude):
 
 @gpu
 @pytest.mark.sanitize
-@pytest.mark.parametrize("version", ops.SOFTMAX_VERSIONS)
+@pytest.mark.parametrize("version", ops.SOFTMAX_STEPS)
 def test_softmax_in_place_and_unaligned(version):
     x = g(13, 1024, seed=11, low=-3, high=3)
     want = R.softmax(x)
@@ -135,14 +142,18 @@ def test_softmax_in_place_and_unaligned(version):
 
 
 @gpu
-def test_softmax_v4_causal_mask_and_scale():
-    """The masked, scaled mode that attention_cublas uses, on its own, against the reference."""
-    bh, tq, tk, scale = 3, 37, 45, 0.37
+@pytest.mark.parametrize("tk, online_only", [(45, False), (48, False), (2052, False), (48, True)],
+                         ids=["scalar", "float4", "float4 long rows", "online only (4a)"])
+def test_softmax_v4_causal_mask_and_scale(tk, online_only):
+    """The masked, scaled mode that attention_cublas uses, on its own, against the reference: in each of the
+    three kernels _softmax_v4_launch picks from (softmax_v4_scalar, softmax_v4, softmax_v4_long)."""
+    bh, tq, scale = 3, 37, 0.37
     s = g(bh, tq, tk, seed=5, low=-4, high=4)
     want = R.f64(s) * scale
     want = np.where(np.arange(tk)[None, :] > np.arange(tq)[:, None] + (tk - tq), -np.inf, want)
     y = poison(cp.empty_like(s))
-    ops._softmax_v4_launch(s, y, bh * tq, tk, scale=scale, causal=True, period=tq, offset=tk - tq)
+    ops._softmax_v4_launch(s, y, bh * tq, tk, scale=scale, causal=True, period=tq, offset=tk - tq,
+                           online_only=online_only)
     assert_close(y, R.softmax(want), rtol=SOFTMAX_RTOL)
 
 

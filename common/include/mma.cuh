@@ -1,4 +1,4 @@
-// mma.cuh - the tensor-core helpers of step 2b, shared by step2_attention/mma_tile.cu (whose v1 writes the
+// mma.cuh - the tensor-core helpers of step 2c, shared by step2_attention/mma_tile.cu (whose v1 writes the
 // instruction out), step2_attention/flash_attention_tc.cu and step4_gpt2/train/attention_tc.cu (which use them).
 // Included with #include "mma.cuh" (common/include is on the include path).
 //

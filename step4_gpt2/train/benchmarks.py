@@ -179,11 +179,12 @@ def _throughput_rows(compile_torch: bool, steps: int, vocab_size: int, what: str
     return rows
 
 
-def _as_graph(fn):
+def _as_graph(fn, node_priority: bool = False):
     """fn's GPU work recorded once as a CUDA graph, and a function that replays it on the current stream, or fn
     itself where it cannot be recorded (cupy.matmul): a piece made of many short launches is then timed without
     the host's gaps between them, as it runs inside the step's own graph. Temporaries come from a memory pool of
-    the graph's own, which a first run fills (nothing may be allocated during a capture)."""
+    the graph's own, which a first run fills (nothing may be allocated during a capture). node_priority: kernels
+    keep their streams' priorities, as in the step's graph (the backward pass's weight-gradient stream)."""
     import cupy as cp
     from common import capture_graph
     pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
@@ -192,13 +193,47 @@ def _as_graph(fn):
             with stream:
                 fn()
             stream.synchronize()
-            graph = capture_graph(fn, stream)
+            graph = capture_graph(fn, stream, node_priority=node_priority)
     except Exception:               # CuPy refuses to capture its cuBLAS calls
         return fn, False
 
     def replay(_keep=(graph, pool)):
         graph.launch(cp.cuda.get_current_stream())
     return replay, True
+
+
+def step_phases(config=None, tf32: bool = False) -> tuple[dict, object]:
+    """The timeline of one training step at batch 64: ({phase: Timing}, Timing of the whole step). The whole
+    step is replayed as one CUDA graph (Trainer(graph=True)); each phase - the forward pass with the loss and
+    dlogits, the backward pass, the update (gradient norm, schedule, AdamW) - is recorded as a CUDA graph of its
+    own on the step's buffers and timed alone (CUDA events, median, no host time inside). tf32: the GEMMs on
+    TF32 tensor cores (tf32_matmuls)."""
+    import cupy as cp
+    config = config or _config()
+    x, y = (cp.asarray(a) for a in random_batches(1)[0])
+    with tf32_matmuls() if tf32 else contextlib.nullcontext():
+        trainer, _ = ours_step(config, graph=True)
+        m = trainer.model
+        for _ in range(3):                        # the first step runs eagerly and records the step's graph
+            trainer.step(x, y, check=False)
+        whole = bench(lambda: trainer.step(x, y, check=False), name="whole step, one CUDA graph")
+        m.forward(x, y, check=False)
+        saved = m._a                              # what the forward pass keeps for the backward pass
+
+        def backward():                           # backward() consumes that record; each replay reuses it
+            m._a = saved
+            m.backward()
+        phases = {"forward + loss": (lambda: m.forward(x, y, check=False), False), "backward": (backward, True),
+                  "update (norm, AdamW)": (trainer._update, False)}
+        times = {}
+        for name, (fn, priority) in phases.items():
+            fn, graphed = _as_graph(fn, node_priority=priority)
+            times[name] = bench(fn, name=name if graphed else f"{name}, launched one by one")
+    del trainer, _, m, saved, phases, fn, backward
+    import gc
+    gc.collect()                                  # the graphs' memory pools and the model's activations go now
+    cp.get_default_memory_pool().free_all_blocks()
+    return times, whole
 
 
 def train_breakdown_rows() -> list[Row]:

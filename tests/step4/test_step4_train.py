@@ -793,3 +793,16 @@ def test_tf32_matmuls_switches_both_sides_and_restores():
         assert before[side] < 1e-5 and after[side] < 1e-5, (side, before, after)
         assert inside[side] > 1e-4, f"{side}: TF32 was not used inside tf32_matmuls(): {inside}"
 
+
+
+@gpu
+def test_step_phases_times_each_phase_as_a_graph():
+    """The notebook's timeline (benchmarks.step_phases): forward, backward and update each recorded as a CUDA
+    graph (the backward's second stream included) and timed, next to the whole step replayed as one graph."""
+    from step4_gpt2.train import benchmarks as BT
+    phases, whole = BT.step_phases(BT._config())
+    assert list(phases) == ["forward + loss", "backward", "update (norm, AdamW)"]
+    for name, t in phases.items():
+        assert t.name == name, f"{name} was not recorded as a CUDA graph ({t.name!r})"
+        assert 0 < t.median_ms < whole.median_ms * 1.5
+    assert whole.median_ms > 0

@@ -76,8 +76,7 @@ def split_rows(inputs, n_head: int) -> list:
     """Benchmark rows: attention v3's kernels with each split (2 = cvt.rna, 1 = integer rounding, 0 = the small
     part truncated, the mainline), the forward and the backward's two kernels (dK/dV with dS, then dQ), on
     `inputs` [(T, B, qkv, bias, dout)] of `n_head` heads; sm_80+ only (else no rows). The kernels are launched
-    here directly: the wrappers' argument checks and allocations take the host longer than bench's 100 us lead,
-    and at T = 256 the kernels would be timed with the gaps between them."""
+    here directly, so that the rows time the kernels alone, not the wrappers' argument checks and allocations."""
     import cupy as cp
     from common import bench
     from common.benchmarks import Row
