@@ -505,24 +505,3 @@ def test_bad_inputs_are_named():
         ops.attention_sublayer_unfused(g(1, 4, 8, seed=1), {"ln1_w": w}, 2)
     with pytest.raises(ValueError, match=r"w: expected shape \(Cout, 2, 3, 3\)"):
         ops.conv2d_bias_relu(g(1, 2, 4, 4, seed=1), g(3, 2, 5, 5, seed=2), g(3, seed=3))
-
-
-# ------------------------------------------------------------------ CPU: the notebooks' source listings
-STEP3_NOTEBOOKS = sorted((ROOT / "step3_fused").glob("*.ipynb"))
-
-
-@pytest.mark.parametrize("path", STEP3_NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_source_listings_run_without_a_gpu(path, capsys):
-    """Every show_source / show_diff / show_excerpt cell of the step-3 notebooks runs on the CPU as the notebook
-    runs it: each named kernel or line exists, and no printed block exceeds the 80 lines those helpers allow
-    (they raise). A renamed kernel or a grown listing fails here, not only under nbval on a GPU."""
-    import nbformat
-    from common import show_diff, show_excerpt, show_source
-    cells = [c.source for c in nbformat.read(path, as_version=4).cells
-             if c.cell_type == "code" and re.match(r"(show_source|show_diff|show_excerpt)\(", c.source.lstrip())]
-    assert cells, f"{path.name}: no source listing found"
-    names = {"HERE": path.parent, "show_source": show_source, "show_diff": show_diff, "show_excerpt": show_excerpt}
-    for src in cells:
-        exec(src, names)
-        printed = capsys.readouterr().out
-        assert printed.strip(), f"{path.name}: {src!r} printed nothing"
