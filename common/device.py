@@ -220,4 +220,22 @@ def torch_cuda():
         return None
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    import cupy as cp
+    limit = cp.get_default_memory_pool().get_limit()
+    if limit:   # the course's memory cap (docs/environment.md): torch's allocator gets the same size
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), 0)
     return torch
+
+
+def memory_left() -> int:
+    """Bytes this process can still allocate on the GPU: the device's free memory plus what CuPy's pool holds
+    unused, capped by CuPy's own limit (CUPY_GPU_MEMORY_LIMIT; `pytest --gpu-memory-gib`) when one is set.
+    What a notebook sizes a large problem from, instead of cudaMemGetInfo, which ignores the cap."""
+    require_gpu()
+    import cupy as cp
+    pool = cp.get_default_memory_pool()
+    free, _ = cp.cuda.runtime.memGetInfo()
+    left = free + pool.free_bytes()
+    limit = pool.get_limit()
+    return max(0, min(left, limit - pool.used_bytes())) if limit else left

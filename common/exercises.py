@@ -22,6 +22,11 @@ registers and spills, and says that running it needs a GPU.
 
 The working copies live in `<repository>/my_exercises/` (a `.gitignore` inside it keeps git out of it);
 the environment variable COURSE_EXERCISES_DIR moves it elsewhere.
+
+Swaps: an exercise whose kernel does the job of one of GPT-2's ops declares a `Swap` (the op it replaces
+and how to call the learner's kernel with that op's arguments), in a `SWAPS` list next to its specs (or in
+step4_gpt2/capstone.py for the exercises that came before it); `swaps()` collects them and the capstone
+(`python -m step4_gpt2 --mine`) runs GPT-2 on every one the learner's file passes.
 """
 from __future__ import annotations
 
@@ -40,6 +45,11 @@ from common.check import is_poisoned, poison
 from common.kernels import ROOT
 
 STEP_PACKAGES = ("step1_simple", "step2_attention", "step3_fused", "step4_gpt2")
+# step 4's lessons 4b and 4c: their `<package>/exercises/` is read where it exists
+LESSON_PACKAGES = ("step4_gpt2.train", "step4_gpt2.megakernel")
+# modules with a SWAPS list besides the exercise packages: swaps of exercises written before the capstone
+SWAP_MODULES = ("step4_gpt2.capstone",)
+SWAP_USES = ("prefill", "decode", "train")    # where GPT-2 runs an op
 GUARD = 1024            # NaN elements before and after every array a kernel gets
 TIMEOUT_S = 30.0        # per case
 
@@ -79,6 +89,7 @@ class Exercise:
     atol: float = 1e-5
     speed: Speed | None = None
     model: Callable | None = None   # (kernel(name)) -> [CaseResult]: the kernel swapped into a model
+    min_sm: tuple | None = None     # (sm, what needs it): on an older GPU the check says so and runs nothing
 
     @property
     def solution(self) -> str:
@@ -120,17 +131,82 @@ class CheckResult:
         return f"CheckResult({self.exercise!r}: {'PASS' if self.passed else 'FAIL'}, {state})"
 
 
+@dataclass(frozen=True)
+class Swap:
+    """An exercise's kernel in place of one of GPT-2's ops (step4_gpt2/capstone.py).
+
+    op: the module attribute the model calls at run time, "step4_gpt2.ops.bias_gelu" (the model calls every
+    op through its module, so patching the attribute swaps the op everywhere). uses: where GPT-2 runs it, a
+    subset of SWAP_USES. make(kern, original): the replacement, a function with the op's signature that
+    launches the learner's kernels (kern(name) compiles one from the learner's file, as check does) and
+    hands what the exercise does not cover (a fused variant, a shape the kernel was not written for) to
+    `original`, the course's op."""
+    exercise: str
+    op: str
+    uses: tuple
+    make: Callable
+    note: str = ""               # one line for the capstone's table: what of the op is the learner's
+
+    @property
+    def module(self) -> str:
+        return self.op.rpartition(".")[0]
+
+    @property
+    def attribute(self) -> str:
+        return self.op.rpartition(".")[2]
+
+
 # ------------------------------------------------------------------------------------------ the registry
 _REGISTRY: dict = {}
+_SWAPS: dict = {}
+
+
+def exercise_packages() -> tuple:
+    """The packages whose `exercises` subpackage holds specs: every step's, and 4b's and 4c's where they
+    exist."""
+    lessons = tuple(p for p in LESSON_PACKAGES
+                    if (ROOT / p.replace(".", "/") / "exercises" / "__init__.py").is_file())
+    return STEP_PACKAGES + lessons
 
 
 def registry() -> dict:
     """id -> Exercise for every exercise of the course (from each step's exercises package)."""
     if not _REGISTRY:
-        for pkg in STEP_PACKAGES:
+        for pkg in exercise_packages():
             for ex in importlib.import_module(f"{pkg}.exercises").EXERCISES:
                 _REGISTRY[ex.id] = ex
     return _REGISTRY
+
+
+def swaps() -> dict:
+    """exercise id -> Swap, for every exercise whose kernel can stand in for one of GPT-2's ops: the SWAPS
+    lists of the exercise packages and of SWAP_MODULES. An exercise swaps into one op."""
+    if not _SWAPS:
+        found = {}
+        mods = [f"{p}.exercises" for p in exercise_packages()] + list(SWAP_MODULES)
+        for mod in mods:
+            for sw in _swap_list(mod, getattr(importlib.import_module(mod), "SWAPS", ())):
+                if sw.exercise in found:
+                    raise ValueError(f"{mod}: a second swap for {sw.exercise!r} (one op per exercise)")
+                found[sw.exercise] = sw
+        _SWAPS.update(found)
+    return _SWAPS
+
+
+def _swap_list(mod: str, table) -> list:
+    """A module's SWAPS as Swap objects. A lesson package (4b) may still give them as a dict
+    {exercise id: (attribute of the lesson's ops module, factory(kern) -> replacement)}: read as Swaps of
+    that lesson's ops, used in its training step."""
+    if not isinstance(table, dict):
+        out = list(table)
+        bad = [sw for sw in out if not isinstance(sw, Swap)]
+        if bad:
+            raise TypeError(f"{mod}.SWAPS: expected common.exercises.Swap entries, got {bad[0]!r}")
+        return out
+    lesson = mod.rpartition(".")[0]                          # "step4_gpt2.train.exercises" -> "step4_gpt2.train"
+    uses = ("train",) if lesson.endswith(".train") else ("decode",)
+    return [Swap(ex_id, f"{lesson}.ops.{attr}", uses, lambda kern, original, f=factory: f(kern))
+            for ex_id, (attr, factory) in table.items()]
 
 
 def exercise(exercise_id: str) -> Exercise:
@@ -352,8 +428,24 @@ def check(exercise_id: str, path=None, timing: bool = True, timeout_s: float = T
     return _check_on_gpu(ex, path, result, timing, timeout_s)
 
 
+def load_kernels(ex: Exercise, path) -> dict:
+    """{kernel name: the compiled kernel} of the file at `path` for exercise `ex` (cached by get_kernel), e.g. a
+    learner's passing file, for the capstone to swap into GPT-2."""
+    from common.kernels import get_kernel
+    return {k: get_kernel(path, k, ex.defines) for k in ex.kernels}
+
+
 def _check_on_gpu(ex: Exercise, path: Path, result: CheckResult, timing: bool, timeout_s: float) -> CheckResult:
     from common.kernels import KernelCompileError, get_kernel
+    if ex.min_sm is not None:
+        from common.device import device_info
+        need, what = ex.min_sm
+        sm = device_info()["sm"]
+        if sm < need:
+            result.message = (f"{what} need compute capability {need // 10}.{need % 10} or newer; this GPU is "
+                              f"{sm // 10}.{sm % 10}: your file compiles, but cannot run here")
+            print(f"{ex.id}: {result.message}")
+            return result
 
     def kern(name):
         return get_kernel(path, name, ex.defines)
@@ -461,5 +553,8 @@ def _size_text(params: dict) -> str:
     return ", ".join(f"{k}={v:,}" if isinstance(v, int) else f"{k}={v}" for k, v in params.items() if k != "tol")
 
 
-__all__ = ["start", "check", "reset", "solution", "exercises", "working_copy", "work_dir", "registry",
-           "Exercise", "Speed", "Out", "CaseResult", "CheckResult", "compare"]
+from common.hints import answer, hint  # noqa: E402  (the hint ladder, docs/exercises.md; hints reads no spec)
+
+__all__ = ["start", "check", "reset", "solution", "hint", "answer", "exercises", "working_copy", "work_dir",
+           "registry", "load_kernels", "Exercise", "Speed", "Out", "CaseResult", "CheckResult", "compare", "Swap",
+           "swaps", "SWAP_USES"]

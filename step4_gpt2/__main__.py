@@ -3,6 +3,8 @@
     python -m step4_gpt2 "Hello, I'm a language model," --max-new-tokens 64 --temperature 0.8 --seed 0
     python -m step4_gpt2 --weights my_model "ROMEO:"          a folder with model.safetensors + config.json
     python -m step4_gpt2 --decode megakernel "Hello"          one persistent kernel per token (lesson 4c)
+    python -m step4_gpt2 --mine "Hello"                       GPT-2 on your exercise kernels (the capstone)
+    python -m step4_gpt2 --mine --solutions "Hello"           ... on the shipped solutions instead
 
 Without --weights, GPT-2 comes from the Hugging Face cache, or is downloaded once; offline with nothing
 cached it runs the same model with random weights and says so (the text is then gibberish). A folder
@@ -11,6 +13,7 @@ holding a char_vocab.json is read with that character vocabulary, any other with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -59,7 +62,22 @@ def main(argv=None) -> int:
                    help="graph: replay each decode step from a CUDA graph; eager: launch every kernel; "
                         "megakernel: one persistent kernel per step (lesson 4c); auto (default): the megakernel "
                         "where it supports this GPU, model and batch, else graph")
+    p.add_argument("--mine", action="store_true",
+                   help="the capstone: every exercise file of yours that passes check() replaces the course's "
+                        "kernel (a table says which, and how fast); the decode step runs eagerly")
+    p.add_argument("--solutions", action="store_true",
+                   help="with --mine: the shipped solutions instead of your files (the same tokens as the course's)")
+    p.add_argument("--train-steps", type=int, default=20, metavar="N",
+                   help="with --mine, when a training-step kernel is yours: a short training run of N steps, "
+                        "yours against the course's (0: none; default 20)")
     args = p.parse_args(argv)
+    if args.solutions and not args.mine:
+        p.error("--solutions goes with --mine (GPT-2 on the shipped solutions of the exercises)")
+    if args.mine and args.decode not in ("auto", "eager"):
+        p.error(f"--mine runs the decode step eagerly (your kernels, launched one by one); "
+                f"--decode {args.decode} cannot be combined with it")
+    if args.train_steps < 0:
+        p.error(f"--train-steps: expected an integer >= 0, got {args.train_steps}")
 
     from common.device import describe, require_gpu
     from step4_gpt2 import tokenizer, weights
@@ -76,27 +94,39 @@ def main(argv=None) -> int:
     cfg, params, _ = weights.load(args.model, path=args.weights, notice="stderr")
     tok = tokenizer.for_checkpoint(args.weights) if args.weights else tokenizer.BPETokenizer()
     model = GPT(cfg, params)
-    try:
-        decoder, options = decoder_for(args.decode, model, len(args.prompt), args.temperature == 0)
-    except DecoderUnavailable as e:
-        print(e, file=sys.stderr)
-        return 2
+    if args.mine:              # the capstone: your kernels in place of the course's, a table on stderr
+        from step4_gpt2.capstone import build
+        with contextlib.redirect_stdout(sys.stderr):          # stdout is the text
+            capstone = build("solutions" if args.solutions else "mine", model=model)
+        decoder, options = None, capstone.decoder_options() or {"cuda_graph": False}
+        swapped = capstone.swapped(("prefill", "decode"))
+    else:
+        swapped = contextlib.nullcontext()
+        try:
+            decoder, options = decoder_for(args.decode, model, len(args.prompt), args.temperature == 0)
+        except DecoderUnavailable as e:
+            print(e, file=sys.stderr)
+            return 2
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               eos=tok.eot, decoder=decoder, **options)          # eot None: nothing stops
     # lesson 4c's decoder may still refuse this GPU when it is built (its constructor says why)
     unavailable = getattr(sys.modules.get("step4_gpt2.megakernel"), "MegakernelUnavailable", ())
     try:
-        if len(args.prompt) == 1:          # streamed as it is made
-            gen = generate_streamed(model, args.prompt[0], args.max_new_tokens, tokenizer=tok, **kw)
-        else:
-            gen = generate(model, [tok.encode(t) for t in args.prompt], args.max_new_tokens, **kw)
-            for text, new in zip(args.prompt, gen.tokens):
-                print(f"--- {text}{tok.decode([t for t in new if t != tok.eot])}")
+        with swapped:
+            if len(args.prompt) == 1:          # streamed as it is made
+                gen = generate_streamed(model, args.prompt[0], args.max_new_tokens, tokenizer=tok, **kw)
+            else:
+                gen = generate(model, [tok.encode(t) for t in args.prompt], args.max_new_tokens, **kw)
+                for text, new in zip(args.prompt, gen.tokens):
+                    print(f"--- {text}{tok.decode([t for t in new if t != tok.eot])}")
     except unavailable as e:
         print(f"\n--decode {args.decode}: {e}; use --decode graph", file=sys.stderr)
         return 2
     print(f"[{sum(map(len, gen.tokens))} tokens; prefill {gen.prefill_s * 1e3:.1f} ms; decode "
           f"{gen.tokens_per_s:,.0f} tokens/s, decode mode {gen.mode}]", file=sys.stderr)
+    if args.mine and args.train_steps and capstone.uses("train"):
+        with contextlib.redirect_stdout(sys.stderr):
+            capstone.train(args.train_steps)
     return 0
 
 

@@ -168,9 +168,18 @@ def test_check_before_start_checks_the_stub(workdir, capsys):
 
 
 # ---------------------------------------------------------------------------------------- on the GPU
+def _skip_below_arch(ex_id):
+    ex = E.exercise(ex_id)
+    if ex.min_sm is not None:
+        from common.device import device_info
+        if device_info()["sm"] < ex.min_sm[0]:
+            pytest.skip(f"{ex_id}: {ex.min_sm[1]} need sm_{ex.min_sm[0]}+ (this GPU: sm_{device_info()['sm']})")
+
+
 @gpu
 @pytest.mark.parametrize("ex_id", IDS)
 def test_stub_as_shipped_fails(ex_id):
+    _skip_below_arch(ex_id)
     result = E.check(ex_id, path=ROOT / E.exercise(ex_id).stub, timing=False)
     assert result.compiled and result.ran and not result.passed, result
 
@@ -178,6 +187,7 @@ def test_stub_as_shipped_fails(ex_id):
 @gpu
 @pytest.mark.parametrize("ex_id", IDS)
 def test_solution_passes_and_is_timed(ex_id):
+    _skip_below_arch(ex_id)
     ex = E.exercise(ex_id)
     result = E.check(ex_id, path=ROOT / ex.solution)
     assert result.passed, [c for c in result.cases if not c.passed]
@@ -190,6 +200,7 @@ def test_solution_passes_and_is_timed(ex_id):
 @gpu
 @pytest.mark.parametrize("ex_id,bug", BUG_CASES)
 def test_planted_bug_fails(tmp_path, ex_id, bug):
+    _skip_below_arch(ex_id)
     result = E.check(ex_id, path=_bugged(tmp_path, ex_id, bug), timing=False)
     assert result.compiled and result.ran and not result.passed, result
 

@@ -70,6 +70,46 @@ def _course_sum(a):
     return lambda: ops.total(a["x"], version=2)
 
 
+# ------------------------------------------------------------------------------ find the bug (docs/exercises.md)
+def _sum_make(p, rng):
+    n = p["n"]
+    return {"x": rand(n, low=0.0, high=1.0, rng=rng), "out": Out(1), "grid": p.get("grid")}   # all positive
+
+
+def _sum_ref(h):
+    return {"out": np.array([h["x"].astype(np.float64).sum()])}
+
+
+def _blocks(a) -> int:
+    n = a["x"].size
+    return min(launch_grid(n, BLOCK)[0], a.get("grid") or launch_grid(n, BLOCK, per_sm=4)[0])
+
+
+def _warp_sum_launch(kern, a):
+    import cupy as cp
+    blocks = _blocks(a)
+    partial = cp.empty(blocks, dtype=cp.float32)
+    k = kern("block_sum")
+    k((blocks,), (BLOCK,), (a["x"], partial, np.int64(a["x"].size)))      # G blocks -> G partial sums
+    k((1,), (BLOCK,), (partial, a["out"], np.int64(blocks)))              # one block -> the answer
+
+
+def _last_block_launch(kern, a):
+    """Two launches with the same tickets and partials, as a training loop would make; the second one's
+    result is the one compared (the first writes to a scratch output)."""
+    import cupy as cp
+    blocks = _blocks(a)
+    partials, tickets = cp.empty(blocks, dtype=cp.float32), cp.zeros(1, dtype=cp.uint32)
+    first = cp.full(1, np.nan, dtype=cp.float32)
+    k = kern("sum_last_block")
+    for out in (first, a["out"]):
+        k((blocks,), (BLOCK,), (a["x"], partials, tickets, out, np.int64(a["x"].size)))
+
+
+SUM_CASES = (("n=1", {"n": 1}), ("n=2", {"n": 2}), ("n=33", {"n": 33}), ("n=1,000, 3 blocks", {"n": 1000, "grid": 3}),
+             ("n=70,001, 7 blocks", {"n": 70001, "grid": 7}), ("n=4,194,311 (large)", {"n": (1 << 22) + 7}))
+
+
 CLAMP_CASES = (("n=1", {"n": 1}), ("n=255 (one partial block)", {"n": 255}),
                ("n=9,473 (37 blocks + 1)", {"n": 37 * 256 + 1}), ("n=4,194,307 (large)", {"n": (1 << 22) + 3}))
 STRIDE_CASES = tuple((f"{name}, grid of 3 blocks", {**p, "grid": 3}) for name, p in CLAMP_CASES)
@@ -112,4 +152,23 @@ EXERCISES = [
                ("n=4,194,311 (large)", {"n": (1 << 22) + 7})),
         speed=Speed({"n": 1 << 26}, bytes=lambda a: 4 * a["x"].size,
                     course=("the course's sum v2 (same two-launch plan)", _course_sum))),
+    # find the bug: the stub is a complete kernel with one bug (docs/exercises.md, "Find the bug")
+    Exercise(
+        id="step1/find_bug_tail", title="find the bug: y = clamp(a*x + b, lo, hi), four elements per thread",
+        teaches="the tail: the last thread's partial group of elements",
+        stub=f"{HERE}/find_bug_tail.cu", kernels=("scale_clamp4",), make=_clamp_make,
+        launch=lambda kern, a: kern("scale_clamp4")(launch_grid(-(-a["x"].size // 4), BLOCK), (BLOCK,), _clamp_args(a)),
+        reference=_clamp_ref, outputs=("y",),
+        cases=(("n=1", {"n": 1}), ("n=4", {"n": 4}), ("n=1,027 (256 groups of 4 + 3)", {"n": 1027}),
+               ("n=4,096", {"n": 4096}), ("n=4,194,307 (large)", {"n": (1 << 22) + 3}))),
+    Exercise(
+        id="step1/find_bug_warp_sum", title="find the bug: the sum of n floats with warp shuffles (two launches)",
+        teaches="the offsets of a butterfly warp reduction: 16, 8, 4, 2, 1",
+        stub=f"{HERE}/find_bug_warp_sum.cu", kernels=("block_sum",), defines={"BLOCK": BLOCK}, make=_sum_make,
+        launch=_warp_sum_launch, reference=_sum_ref, outputs=("out",), cases=SUM_CASES),
+    Exercise(
+        id="step1/find_bug_last_block", title="find the bug: a one-launch sum whose last block adds the partials",
+        teaches="a kernel that keeps state between launches must leave it as it found it",
+        stub=f"{HERE}/find_bug_last_block.cu", kernels=("sum_last_block",), defines={"BLOCK": BLOCK}, make=_sum_make,
+        launch=_last_block_launch, reference=_sum_ref, outputs=("out",), cases=SUM_CASES),
 ]

@@ -1,4 +1,4 @@
-// block_max.cu - exercise 4 of step 1: a block-level max reduction with warp shuffles.
+// block_max.cu - Exercise 1b.1: a block-level max reduction with warp shuffles.
 //
 // Write out[blockIdx.x] = the maximum of the elements this block visits:
 //   x[blockIdx.x * BLOCK + threadIdx.x], then + gridDim.x * BLOCK, ... while < n (a grid-stride loop).
@@ -13,6 +13,14 @@
 //   3. lane 0 of every warp stores its value in shared memory, __syncthreads(), then warp 0 reduces
 //      the BLOCK / 32 values the same way and lane 0 writes out[blockIdx.x].
 // n can be anything from 1 up, not a multiple of 32 or of BLOCK.
+//
+// Hint 1 (where to look): Lesson 1b's sum_v2 in step1_simple/sum.cu is the same plan with + instead of fmaxf and 0
+//   instead of -inf. Step 1 (the running max) is a grid-stride loop; which value must a thread with no element
+//   contribute?
+// Hint 2 (the shape of the code): v = NEG_INF; loop v = fmaxf(v, x[i]); five __shfl_xor_sync steps; `__shared__ float
+//   warp_max[BLOCK / 32]`, lane 0 stores; __syncthreads(); warp 0 loads warp_max[lane] (NEG_INF for lane >= BLOCK /
+//   32), five more steps, and thread 0 writes out[blockIdx.x].
+// The solution: solution("step1/block_max") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step1/block_max")
 #ifndef BLOCK
 #define BLOCK 256

@@ -21,9 +21,9 @@ def _softmax_make(p, rng):
     return {"x": rand(p["rows"], p["cols"], rng=rng) * np.float32(p.get("mag", 1.0)), "y": Out((p["rows"], p["cols"]))}
 
 
-def _softmax_launch(kern, a):
+def _softmax_launch(kern, a, name="softmax_warp"):
     rows, cols = a["x"].shape
-    kern("softmax_warp")((-(-rows // WARPS),), (WARPS * 32,), (a["x"], a["y"], np.int32(rows), np.int32(cols)))
+    kern(name)((-(-rows // WARPS),), (WARPS * 32,), (a["x"], a["y"], np.int32(rows), np.int32(cols)))
 
 
 def _course_softmax(a):
@@ -213,4 +213,78 @@ EXERCISES = [
                ("scores near +-100, T=96", {"H": 2, "T": 96, "causal": 1, "mag": 100.0, "tol": (2e-4, 2e-4)})),
         speed=Speed({"H": 96, "T": 1024, "causal": 1}, flops=_attention_flops,
                     course=("the course's flash v1 (same plan)", _course_flash))),
+    # find the bug: the stub is a complete kernel with one bug (docs/exercises.md, "Find the bug")
+    Exercise(
+        id="step2/find_bug_softmax_overflow", title="find the bug: row softmax, one warp per row",
+        teaches="expf overflows above 88.7: subtract the row max",
+        stub=f"{HERE}/find_bug_softmax_overflow.cu", kernels=("softmax_rows",), defines={"WARPS": WARPS},
+        make=_softmax_make, launch=lambda kern, a: _softmax_launch(kern, a, "softmax_rows"),
+        reference=lambda h: {"y": reference.softmax(h["x"])}, outputs=("y",),
+        cases=(("1 x 1", {"rows": 1, "cols": 1}), ("7 x 33", {"rows": 7, "cols": 33}),
+               ("37 x 1000", {"rows": 37, "cols": 1000}),
+               ("64 x 1000, values up to +-80", {"rows": 64, "cols": 1000, "mag": 80.0}),
+               ("64 x 1000, values up to +-100", {"rows": 64, "cols": 1000, "mag": 100.0}),
+               ("64 x 1000, values up to +-500", {"rows": 64, "cols": 1000, "mag": 500.0}))),
+    Exercise(
+        id="step2/find_bug_matmul_tile", title="find the bug: a shared-memory tiled matmul",
+        teaches="a shared-memory tile is indexed [row][col] in its store and in its read",
+        stub=f"{HERE}/find_bug_matmul_tile.cu", kernels=("matmul_tiled",), defines={"TILE": TILE}, make=_matmul_make,
+        launch=_matmul_launch, reference=lambda h: {"c": reference.matmul(h["a"], h["b"])}, outputs=("c",),
+        atol=2e-5,
+        cases=tuple((f"M={M}, N={N}, K={K}", {"M": M, "N": N, "K": K})
+                    for M, N, K in ((1, 1, 1), (2, 2, 2), (17, 33, 45), (64, 64, 64), (100, 70, 129)))),
 ]
+
+
+# ------------------------------------------------------------------------------ Exercise 2c.1: one mma tile per warp
+MMA_WARPS = 4         # mma_tile: warps per block, one 16x8 tile of C each
+MMA_MIN_SM = 75       # fp16 mma.sync (m16n8k8, two of them per m16n8k16) needs sm_75
+MMA_NEEDS = "fp16 tensor cores (mma.sync)"
+
+
+def _mma_make(p, rng):
+    T, K = p["tiles"], p["K"]
+    a = rand(T, 16, K, rng=rng, low=-p.get("mag", 1.0), high=p.get("mag", 1.0)).astype(np.float16)
+    b = rand(T, K, 8, rng=rng).astype(np.float16)
+    return {"a": a, "b": b, "c": Out((T, 16, 8))}
+
+
+def _mma_ref(h):
+    return {"c": np.matmul(h["a"].astype(np.float64), h["b"].astype(np.float64))}   # the fp16 values, exactly
+
+
+_told = []
+
+
+def _too_old_for_mma() -> bool:
+    """True on a GPU without fp16 mma.sync (said once, in one printed line): the kernel is not launched there, so
+    its output stays NaN; the notebook's cell and tests/test_exercises_x2.py skip the check on such a GPU."""
+    from common.device import device_info
+    sm = device_info()["sm"]
+    if sm < MMA_MIN_SM:
+        if not _told:
+            _told.append(sm)
+            print(f"{MMA_NEEDS} need compute capability {MMA_MIN_SM // 10}.{MMA_MIN_SM % 10} or newer; this GPU is "
+                  f"{sm // 10}.{sm % 10}: the kernel compiles here (check() without a GPU shows it), but cannot run")
+        return True
+    return False
+
+
+def _mma_launch(kern, a):
+    if _too_old_for_mma():
+        return
+    T, _, K = a["a"].shape
+    kern("mma_tiles")((-(-T // MMA_WARPS),), (32 * MMA_WARPS,), (a["a"], a["b"], a["c"], np.int32(T), np.int32(K)))
+
+
+EXERCISES.append(Exercise(
+    id="step2/mma_tile", title="one 16x8 tensor-core tile per warp: the fragment loads, mma.sync, the stores",
+    teaches="the m16n8k16 fragment layout: which lane holds which element of A, B and C",
+    stub=f"{HERE}/mma_tile.cu", kernels=("mma_tiles",), defines={"WARPS": MMA_WARPS}, make=_mma_make,
+    launch=_mma_launch, reference=_mma_ref, outputs=("c",), rtol=1e-4, atol=1e-4,
+    cases=(("1 tile, K=16", {"tiles": 1, "K": 16}),
+           ("3 tiles (a partly idle block), K=16", {"tiles": 3, "K": 16}),
+           ("5 tiles, K=32 (two k-steps)", {"tiles": 5, "K": 32}),
+           ("37 tiles, K=128", {"tiles": 37, "K": 128}),
+           ("8 tiles, K=64, A in the hundreds", {"tiles": 8, "K": 64, "mag": 300.0})),
+    min_sm=(MMA_MIN_SM, MMA_NEEDS)))

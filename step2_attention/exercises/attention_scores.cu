@@ -1,4 +1,4 @@
-// attention_scores.cu - exercise 8 of step 2: scale and causal mask in the attention scores kernel.
+// attention_scores.cu - Exercise 2a.3: scale and causal mask in the attention scores kernel.
 //
 // q (H, Tq, D) and k (H, Tk, D) hold H heads (batch and heads flattened). Write, for every head h,
 // query i < Tq and key j < Tk:
@@ -12,6 +12,12 @@
 // The tiled dot product is written for you: after the loop, acc holds dot(q[h, i, :], k[h, j, :])
 // for this thread's (i, j). What is left is the store, including its bounds: the blocks at the edges
 // have threads with i >= Tq or j >= Tk. Grid (ceil(Tk / TILE), ceil(Tq / TILE), H), TILE x TILE threads.
+//
+// Hint 1 (where to look): Only the store after the loop is yours. First the bounds (i < Tq and j < Tk), then the rule:
+//   with Tq < Tk, query i sits at position i + (Tk - Tq); which keys j does it see?
+// Hint 2 (the shape of the code): if (i < Tq && j < Tk) s[(h * Tq + i) * Tk + j] = (causal && j > i + (Tk - Tq)) ?
+//   NEG_INF : scale * acc; (check the output's index against the layout at the top of the file).
+// The solution: solution("step2/attention_scores") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step2/attention_scores")
 #ifndef TILE
 #define TILE 32

@@ -1,4 +1,4 @@
-// flash_rescale.cu - exercise 9 of step 2: the rescaling step inside the flash attention loop.
+// flash_rescale.cu - Exercise 2b.2: the rescaling step inside the flash attention loop.
 //
 //   o[h, i, :] = softmax_j(scale * q_i . k_j, causal) @ v        lse[h, i] = log sum_j exp(scale * q_i . k_j)
 //
@@ -15,6 +15,13 @@
 // then l += sum of p over the warp, and m = m_new. (acc += p * v is done after your code.)
 // Careful: while a row has seen no visible key, m_new is -inf and exp(-inf - (-inf)) is NaN; use 0
 // in place of m_new for the exponentials then. warp_max / warp_sum come from course.cuh.
+//
+// Hint 1 (where to look): The state update is the online-softmax rule of lesson 2b, once per tile of 32 keys instead
+//   of once per key. Write the order down first: the tile's max, m_new, alpha, p, then l.
+// Hint 2 (the shape of the code): m_new = fmaxf(m, warp_max(s)); ms = (m_new == NEG_INF) ? 0.f : m_new; p = expf(s -
+//   ms); alpha = expf(m - ms); l = l * alpha + warp_sum(p); every acc[i] *= alpha; m = m_new. (Use the names
+//   of the stub's variables.)
+// The solution: solution("step2/flash_rescale") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step2/flash_rescale")
 #include "course.cuh"
 

@@ -1,4 +1,4 @@
-// matmul_tiles.cu - exercise 7 of step 2: the tile loads of a shared-memory tiled matmul.
+// matmul_tiles.cu - Exercise 2a.2: the tile loads of a shared-memory tiled matmul.
 //
 //   C (M, N) = A (M, K) @ B (K, N), float32, row-major; M, N and K are NOT multiples of TILE.
 //
@@ -10,6 +10,13 @@
 // Then make sure the whole tile is in shared memory before any thread reads it (__syncthreads()),
 // and that every thread has finished with it before the next iteration overwrites it.
 // Grid: (ceil(N / TILE), ceil(M / TILE)) blocks.
+//
+// Hint 1 (where to look): Lesson 2a's matmul v2 (step2_attention/matmul.cu) loads its tiles the same way. For thread
+//   (ty, tx): which element of A and which of B does it copy, and when does that element not exist?
+// Hint 2 (the shape of the code): As[ty][tx] = (row < M && k0 + tx < K) ? A[row * K + k0 + tx] : 0.0f; Bs[ty][tx] =
+//   (k0 + ty < K && col < N) ? B[(k0 + ty) * N + col] : 0.0f; __syncthreads() before the inner product loop and
+//   another after it.
+// The solution: solution("step2/matmul_tiles") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step2/matmul_tiles")
 #ifndef TILE
 #define TILE 32

@@ -1,4 +1,4 @@
-// online_merge.cu - exercise 6 of step 2: merging two online-softmax partial states.
+// online_merge.cu - Exercise 2b.1: merging two online-softmax partial states.
 //
 // The keys of each query row r were split in two parts, and each part was reduced on its own:
 //   m_i[r]    = the largest score s_j in part i
@@ -12,6 +12,13 @@
 // is m = -inf, l = 0, o = 0.
 // Launch: one thread per element of o, i = blockIdx.x * blockDim.x + threadIdx.x over rows * D
 // (blocks of 256, the last one partly idle); the thread with d == 0 also writes m[r] and l[r].
+//
+// Hint 1 (where to look): Lesson 2b's online softmax section has the rule for one new key; two parts merge the same
+//   way. Write it for one row on paper first: m, then the two weights exp(m1 - m) and exp(m2 - m), then l.
+// Hint 2 (the shape of the code): m = fmaxf(m1, m2); if m is -inf (both parts empty) write m, l = 0, o = 0; else a1 =
+//   l1 * expf(m1 - m), a2 = l2 * expf(m2 - m), l = a1 + a2, o = (a1 * o1 + a2 * o2) / l (o1 and o2 are
+//   normalised, so each is weighted by its part's share of l).
+// The solution: solution("step2/online_merge") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step2/online_merge")
 #define NEG_INF __int_as_float(0xff800000)
 

@@ -31,6 +31,12 @@ def _ln_launch(kern, a):
                                                         np.float32(EPS)))
 
 
+def _ln_block_launch(kern, a):
+    """find_bug_sync: one block per row."""
+    N, C = a["x"].shape
+    kern("layernorm_rows")((N,), (BLOCK,), (a["x"], a["w"], a["b"], a["y"], np.int32(C), np.float32(EPS)))
+
+
 def _course_ln(a):
     import cupy as cp
     from step3_fused import ops
@@ -199,4 +205,22 @@ EXERCISES = [
         speed=Speed({"shape": (8, 64, 64, 64, 64)},
                     flops=lambda a: 2.0 * a["y"].size * a["x"].shape[1] * 9,
                     course=("the course's conv2d_bias_relu", _course_conv))),
+    # find the bug: the stub is a complete kernel with one bug (docs/exercises.md, "Find the bug")
+    Exercise(
+        id="step3/find_bug_sync",
+        title="find the bug: LayerNorm with one block per row (compute-sanitizer's racecheck)",
+        teaches="a value one warp writes to shared memory and other warps read needs a barrier in between",
+        stub=f"{HERE}/find_bug_sync.cu", kernels=("layernorm_rows",), defines={"BLOCK": BLOCK}, make=_ln_make,
+        launch=_ln_block_launch, reference=lambda h: {"y": reference.layernorm(h["x"], h["w"], h["b"], EPS)},
+        outputs=("y",),
+        cases=(("1 x 1", {"N": 1, "C": 1}), ("4 x 32", {"N": 4, "C": 32}), ("7 x 33", {"N": 7, "C": 33}),
+               ("37 x 1000", {"N": 37, "C": 1000}), ("2048 x 1024 (2048 blocks)", {"N": 2048, "C": 1024}))),
+    Exercise(
+        id="step3/find_bug_inplace_loss", title="find the bug: one row of the fused classifier, in place",
+        teaches="an in-place kernel reads every input before the write that replaces it",
+        stub=f"{HERE}/find_bug_inplace_loss.cu", kernels=("classifier_row",), make=_cls_make, launch=_cls_launch,
+        reference=_cls_ref, outputs=("loss", "z"),
+        cases=(("B=1, V=1", {"B": 1, "V": 1}), ("B=3, V=37", {"B": 3, "V": 37}), ("B=8, V=1000", {"B": 8, "V": 1000}),
+               ("B=2, V=50257 (GPT-2)", {"B": 2, "V": 50257}),
+               ("B=4, V=5000, logits up to +-200", {"B": 4, "V": 5000, "mag": 200.0, "tol": (1e-4, 1e-4)}))),
 ]

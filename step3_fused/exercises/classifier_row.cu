@@ -1,4 +1,4 @@
-// classifier_row.cu - exercise 12 of step 3: softmax, cross-entropy loss and the logits' gradient of
+// classifier_row.cu - Exercise 3b.1: softmax, cross-entropy loss and the logits' gradient of
 // one row, in one kernel.
 //
 // z is (rows, V) logits, targets (rows,) the right class of each row, in 0 .. V-1. For each row r:
@@ -12,6 +12,13 @@
 // combine the threads' values (they need a __shared__ float scratch[32]; their barriers also order
 // what happened before them). Mind the race: the thread that writes z[r, t] may run before the
 // thread that reads z[r, t] for the loss, unless the read comes first.
+//
+// Hint 1 (where to look): Lesson 3b's fused classifier (step3_fused/train_forward.cu) does this row by row. Before any
+//   write: the max and the sum of exp, combined over the block, and z[r, t] read into a register.
+// Hint 2 (the shape of the code): thread 0 first copies z[r, t] to a __shared__ float; each thread keeps an
+//   online (m, s) over i = tid, tid + 256, ...; M = block_max(m); S = block_sum(m == -inf ? 0 : s * expf(m - M));
+//   thread 0 writes loss = M + logf(S) - z_t; then a loop writes (expf(z - M) / S - (i == t)) * scale.
+// The solution: solution("step3/classifier_row") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step3/classifier_row")
 #include "course.cuh"
 

@@ -1,4 +1,4 @@
-// conv_bias_relu.cu - exercise 14 of step 3: convolution + bias + ReLU in one kernel.
+// conv_bias_relu.cu - Exercise 3c.1: convolution + bias + ReLU in one kernel.
 //
 // x is (N, Cin, H, W), w is (Cout, Cin, KSIZE, KSIZE), bias (Cout,), y (N, Cout, H, W), all NCHW float32.
 // Write, for every output element:
@@ -12,6 +12,12 @@
 // + oy) * W + ox). The sizes are small and odd (H = 7, W = 5, Cin = 3 ...), edges everywhere.
 // Napkin math: each output costs 2 * Cin * KSIZE^2 FLOPs and writes 4 bytes: compute-bound, so the bias
 // and ReLU are free when applied to the accumulator before the store.
+//
+// Hint 1 (where to look): Undo the flat index first: ox = i % W, oy = (i / W) % H, co = (i / (W * H)) % Cout, n = i /
+//   (W * H * Cout). Then three nested loops, ci, ky, kx, and one accumulator.
+// Hint 2 (the shape of the code): acc = bias[co]; for ci, ky, kx: iy = oy + ky - KSIZE / 2, ix = ...; if (iy < 0 || iy
+//   >= H || ix < 0 || ix >= W) continue; acc += x[...] * w[...]; finally y[i] = fmaxf(acc, 0.f).
+// The solution: solution("step3/conv_bias_relu") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step3/conv_bias_relu")
 #ifndef KSIZE
 #define KSIZE 3

@@ -1,4 +1,4 @@
-// layernorm_welford.cu - exercise 10 of step 3: LayerNorm with Welford's algorithm, one warp per row.
+// layernorm_welford.cu - Exercise 3a.2: LayerNorm with Welford's algorithm, one warp per row.
 //
 // For every row r < N of x (N, C):
 //
@@ -13,6 +13,13 @@
 // (a lane with no element, n = 0, must merge as a no-op: C can be smaller than 32). var = M2 / C.
 // Why not sum(x) and sum(x^2)? The checker feeds rows around 1000 with a spread of 1: in float32,
 // E[x^2] - mean^2 then cancels almost every digit. FULL_MASK and warp_sum are in course.cuh.
+//
+// Hint 1 (where to look): Lesson 3a's LayerNorm v3 (step3_fused/layernorm.cu) uses Welford and Chan's merge;
+//   course.cuh has the shuffle helpers. Keep n as a float so the merge's divisions are float divisions.
+// Hint 2 (the shape of the code): the loop over i = lane, lane + 32, ...; five merge steps, each reading nb, mean_b,
+//   M2b from __shfl_xor_sync and skipping the update when n == 0; rstd = rsqrtf(M2 / C + eps); a second loop writes
+//   (x - mean) * rstd * w + b.
+// The solution: solution("step3/layernorm_welford") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step3/layernorm_welford")
 #include "course.cuh"
 

@@ -1,4 +1,4 @@
-// residual_layernorm.cu - exercise 11 of step 3: fused bias + residual + LayerNorm.
+// residual_layernorm.cu - Exercise 3a.3: fused bias + residual + LayerNorm.
 //
 // The tail of every GPT-2 sublayer. For every row n < N of the (N, C) arrays:
 //
@@ -9,6 +9,13 @@
 // block; warps without a row return). Read x and proj once each; a thread may re-read the elements of
 // r it wrote itself (they come from cache). warp_sum (course.cuh) adds over the warp.
 // Napkin math: 16 bytes per element must move (x, proj in; r, y out), nothing else is large.
+//
+// Hint 1 (where to look): Two loops over the row with the same lane stride: the first computes r, writes it and adds
+//   it up; the second reads r back and writes y. Lesson 3a, section 2, shows the course's kernel.
+// Hint 2 (the shape of the code): loop 1: v = x + proj + bias[c]; r[c] = v; s += v; mean = warp_sum(s) / C; loop 2
+//   over r: q += (v - mean)^2; var = warp_sum(q) / C; loop 3: y = (r - mean) * rsqrtf(var + eps) * w + b. The
+//   variance of centred values does not cancel like E[x^2] - mean^2.
+// The solution: solution("step3/residual_layernorm") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step3/residual_layernorm")
 #include "course.cuh"
 

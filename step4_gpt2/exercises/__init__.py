@@ -177,4 +177,15 @@ EXERCISES = [
         model=_gemv_in_model,
         speed=Speed({"B": 1, "N": 50257, "K": 768}, bytes=lambda a: 4 * a["W"].size,
                     course=("the course's gemv (v5)", _course_gemv))),
+    # find the bug: the stub is a complete kernel with one bug (docs/exercises.md, "Find the bug")
+    Exercise(
+        id="step4/find_bug_gemv_batch", title="find the bug: the decode GEMV for a batch of rows, then the decode step",
+        teaches="batched kernels: row b of a 2-D array is b * row_length in",
+        stub=f"{HERE}/find_bug_gemv_batch.cu", kernels=("gemv",), defines={"MAXB": MAXB}, make=_gemv_make,
+        launch=_gemv_launch, reference=_gemv_ref, outputs=("y",),
+        cases=(("B=1, N=1, K=4", {"B": 1, "N": 1, "K": 4}), ("B=1, N=37, K=100", {"B": 1, "N": 37, "K": 100}),
+               ("B=2, N=37, K=100", {"B": 2, "N": 37, "K": 100}),
+               ("B=3, N=768, K=768, no bias", {"B": 3, "N": 768, "K": 768, "bias": False}),
+               ("B=11 (two launches), N=5003, K=768", {"B": 11, "N": 5003, "K": 768})),
+        model=_gemv_in_model),
 ]

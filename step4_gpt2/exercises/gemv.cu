@@ -1,4 +1,4 @@
-// gemv.cu - exercise 16 of step 4: the GEMV of GPT-2's decode step, then swapped into the decode step.
+// gemv.cu - Exercise 4a.3: the GEMV of GPT-2's decode step, then swapped into the decode step.
 //
 // x is (B, K), W is (N, K) (each output's weights contiguous), y is (B, N), float32, B <= MAXB (8).
 // Write, for every b < B and n < N:
@@ -14,6 +14,14 @@
 // The checker tests the kernel alone, then runs the model's decode step with YOUR kernel for every
 // plain GEMV (attention and MLP projections, the LM head) and compares the greedy tokens and logits
 // with the course's own decode step.
+//
+// Hint 1 (where to look): Lesson 4a builds this GEMV version by version in step4_gpt2/gpt2.cu: the float4, one warp
+//   per row version is the one to follow. Which row n does this warp own, and which float4s of it does each lane
+//   read?
+// Hint 2 (the shape of the code): float acc[MAXB] = {0}; for (k4 = lane; k4 < K / 4; k4 += 32) { float4 w = W4[n * (K
+//   / 4) + k4]; for b < B: float4 xv = x4[b * (K / 4) + k4]; acc[b] += w.x * xv.x + ... } then for b < B: s =
+//   warp_sum(acc[b]); lane 0 writes y[b * N + n] = s + (bias ? bias[n] : 0).
+// The solution: solution("step4/gemv") gives its path (read it after trying).
 // Check it with: from common.exercises import check; check("step4/gemv")
 #include "course.cuh"
 

@@ -2,7 +2,8 @@
 
     data = Data.shakespeare("char")                      # the plays, split by play; a character vocabulary
     model = TrainGPT(shakespeare_char(data.vocab_size))  # nanoGPT's shakespeare_char: 6 layers, 6 heads, C=384
-    trainer = Trainer(model, TrainConfig(max_steps=2000), graph=True)
+    batch = batch_that_fits(model.config)                # 64, or less where the GPU's memory is short
+    trainer = Trainer(model, TrainConfig(batch_size=batch, max_steps=2000), graph=True)
     hist = trainer.fit(data, steps=2000)                 # tqdm bar: loss, tokens/s; val loss every eval_every
     trainer.save("my_model", data.tokenizer)             # model.safetensors + config.json (+ char_vocab.json)
     gen = generate(model.to_gpt(), [data.tokenizer.encode("ROMEO:\n")], 200, temperature=0.8, eos=None)
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_choice, expect_token_ids
+from common import expect_choice, expect_token_ids, memory_left
 from common.reference.train_gpt2 import is_decayed, lr_at
 from step3_fused.training import History
 from step4_gpt2.train import ops
@@ -73,6 +74,27 @@ class Data:
         rows = np.lib.stride_tricks.sliding_window_view(ids, T + 1)[starts]
         return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
 
+
+
+# ============================================================================ memory
+def activation_bytes(cfg: GPTConfig, batch: int, T: int | None = None) -> int:
+    """The bytes a TrainGPT keeps for one batch shape (model.py's _Activations): per token, 16 C floats per layer
+    (residuals, LayerNorm outputs, qkv, attention output, the MLP's 4C twice), 13 C floats of buffers shared by
+    the layers (the last residual, ln_f, the gradients in flight) and the logits (V floats)."""
+    T = T or cfg.block_size
+    C, L, V, H = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_head
+    per_token = 16 * C * L + 13 * C + V + 4 * L + 3 + H * L     # + mean, rstd, lse and the loss
+    return 4 * batch * T * per_token
+
+
+def batch_that_fits(cfg: GPTConfig, T: int | None = None, max_batch: int = 64, share: float = 0.5) -> int:
+    """The largest power of two <= max_batch whose activations (activation_bytes) take at most `share` of
+    memory_left() (the rest: weights, gradients, AdamW's state, temporaries, a CUDA graph's pool); at least 1."""
+    budget = share * memory_left()
+    batch = 1 << max(0, int(max_batch).bit_length() - 1)
+    while batch > 1 and activation_bytes(cfg, batch, T) > budget:
+        batch //= 2
+    return batch
 
 
 class _StepGraph:

@@ -77,3 +77,10 @@ BUGS = {
          "        const float total = warp_sum(acc[b]);", "        const float total = acc[b];"),
     ],
 }
+
+from tests.exercise_bugs.find_bug import BUGS as _FIND_THE_BUG   # noqa: E402  (docs/exercises.md, "Find the bug")
+BUGS.update(_FIND_THE_BUG)
+from tests.exercise_bugs.x2 import BUGS as _X2   # noqa: E402  (Exercises 2c.1 and 4c.1)
+BUGS.update(_X2)
+from tests.exercise_bugs.step4_train import BUGS as _STEP4_TRAIN   # noqa: E402  (Exercises 4b.1 and 4b.2)
+BUGS.update(_STEP4_TRAIN)
