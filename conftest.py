@@ -25,7 +25,10 @@ def cap_bytes(value: str, total: int | None) -> int | None:
     `total` bytes; None when the total is not known). None for an unset or "0" value (no cap)."""
     value = (value or "").strip()
     if value.endswith("%"):
-        fraction = float(value[:-1]) / 100
+        try:
+            fraction = float(value[:-1]) / 100
+        except ValueError:
+            fraction = -1.0                 # "x%": said below, with the variable's name
         if not 0 <= fraction <= 1:
             raise ValueError(f"{CUPY_LIMIT}={value!r}: a percentage from 0% to 100%")
         return None if fraction == 0 or total is None else int(fraction * total)

@@ -187,12 +187,22 @@ def _run(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             proc.kill()
-        proc.communicate()
+        try:        # a process that left the group could still hold the pipes open: never wait on it forever
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
         return None, "", ""
 
 
 def _last_line(text: str) -> str:
+    """The line that says what went wrong: a Python traceback's exception line (not ncu's own "==ERROR== The
+    application returned an error code" after it), else the last line that mentions an error, else the last."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        exception = [line for line in lines[starts[-1] + 1:] if not line.startswith("==")]
+        if exception:
+            return exception[-1][:300]
     errors = [line for line in lines if "error" in line.lower()]
     return (errors or lines or ["(no output)"])[-1][:300]
 
@@ -246,7 +256,8 @@ def profile(code: str, kernel: str, *, launch_skip: int = 0, metrics=(), timeout
     launches = parse_csv(text) or parse_csv(out)
     if launches:
         return from_launch(launches[0])
-    if rc != 0 and "==PROF== Disconnected" not in everything:
+    # the code raised (its traceback is on stderr; ncu still disconnects normally), or ncu itself failed
+    if rc != 0 and ("==PROF== Disconnected" not in everything or "Traceback (most recent call last)" in err):
         _say(f"the profiled code or ncu failed (exit {rc}): {_last_line(err + chr(10) + text)}")
         return None
     seen = _kernel_names(ncu, script_code=code, timeout=timeout)

@@ -9,17 +9,21 @@
 Without --weights, GPT-2 comes from the Hugging Face cache, or is downloaded once; offline with nothing
 cached it runs the same model with random weights and says so (the text is then gibberish). A folder
 holding a char_vocab.json is read with that character vocabulary, any other with GPT-2's tokenizer.
+With --mine, exit status 3 says that a kernel of yours never ended or hit a sticky CUDA error (the message
+names it): the run stops there.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DECODE = ("auto", "graph", "eager", "megakernel")
+GPU_UNUSABLE = 3         # exit status: a kernel of yours (--mine) hung or hit a sticky CUDA error
 
 
 class DecoderUnavailable(RuntimeError):
@@ -44,6 +48,16 @@ def decoder_for(decode: str, model, batch: int, greedy: bool) -> tuple[type | No
     if decode == "megakernel" or supports(model, batch, greedy):
         return MegakernelDecoder, {}
     return None, {}
+
+
+def _leave(message: str) -> None:
+    """--mine: a kernel of yours left the GPU unusable (it never ends, or a sticky CUDA error): say so and end
+    the process at once, without Python's clean-up, which would wait for the GPU (freeing memory synchronises
+    with it) and never return."""
+    print(f"\n{message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(GPU_UNUSABLE)
 
 
 def main(argv=None) -> int:
@@ -94,10 +108,17 @@ def main(argv=None) -> int:
     cfg, params, _ = weights.load(args.model, path=args.weights, notice="stderr")
     tok = tokenizer.for_checkpoint(args.weights) if args.weights else tokenizer.BPETokenizer()
     model = GPT(cfg, params)
+    unusable_gpu = ()          # --mine: capstone.GPUUnusable (a kernel of yours hung, or a sticky CUDA error)
     if args.mine:              # the capstone: your kernels in place of the course's, a table on stderr
-        from step4_gpt2.capstone import build
-        with contextlib.redirect_stdout(sys.stderr):          # stdout is the text
-            capstone = build("solutions" if args.solutions else "mine", model=model)
+        from step4_gpt2.capstone import GPUUnusable, build
+        unusable_gpu = GPUUnusable
+        try:
+            with contextlib.redirect_stdout(sys.stderr):          # stdout is the text
+                capstone = build("solutions" if args.solutions else "mine", model=model)
+        except GPUUnusable as e:
+            print(e, file=sys.stderr)
+            return GPU_UNUSABLE
+        capstone.on_unusable = _leave      # a decoder's clean-up would wait for a hung kernel forever
         decoder, options = None, capstone.decoder_options() or {"cuda_graph": False}
         swapped = capstone.swapped(("prefill", "decode"))
     else:
@@ -122,13 +143,25 @@ def main(argv=None) -> int:
     except unavailable as e:
         print(f"\n--decode {args.decode}: {e}; use --decode graph", file=sys.stderr)
         return 2
+    except unusable_gpu as e:
+        print(f"\n{e}", file=sys.stderr)
+        return GPU_UNUSABLE
     print(f"[{sum(map(len, gen.tokens))} tokens; prefill {gen.prefill_s * 1e3:.1f} ms; decode "
           f"{gen.tokens_per_s:,.0f} tokens/s, decode mode {gen.mode}]", file=sys.stderr)
     if args.mine and args.train_steps and capstone.uses("train"):
-        with contextlib.redirect_stdout(sys.stderr):
-            capstone.train(args.train_steps)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                capstone.train(args.train_steps)
+        except unusable_gpu as e:
+            print(e, file=sys.stderr)
+            return GPU_UNUSABLE
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    if status == GPU_UNUSABLE:     # a kernel of yours may still be running: leave without Python's clean-up
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    raise SystemExit(status)

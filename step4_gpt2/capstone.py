@@ -14,7 +14,9 @@ missing, still the stub as shipped, or failing falls back to the course's kernel
 and why. While GPT-2 runs, each of your kernels replaces the course's op (the model calls every op through
 its module, so replacing the module's attribute swaps it in every block); the decode step then runs its
 kernels one by one (no CUDA graph: a graph would replay the kernels it recorded) with the "split" plan,
-where every matrix product is a plain GEMV and every LayerNorm a kernel of its own, so that yours are used.
+where every matrix product but the QKV one (whose epilogue appends to the KV cache) is a plain GEMV and every
+LayerNorm a kernel of its own, so that yours are used. The first run of each of your kernels at each shape is
+waited for, at most WATCH_S: a kernel that hangs there raises GPUUnusable rather than stalling the decode.
 
 build(mine="solutions") does the same with the shipped solutions copied into a temporary exercises folder
 (COURSE_EXERCISES_DIR): it must choose the same greedy tokens as the course's own kernels.
@@ -22,6 +24,7 @@ build(mine="solutions") does the same with the shipped solutions copied into a t
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import os
@@ -36,6 +39,12 @@ from common.exercises import SWAP_USES, Swap
 
 SOURCES = ("mine", "solutions", "course")      # whose kernels: your files, the shipped solutions, none
 COURSE_ONLY = "embedding, the QKV GEMV + KV-cache append, decode attention, argmax, cuBLAS's GEMMs in the prefill"
+WATCH_S = 30.0           # the longest wait for your kernel's first run at each shape inside GPT-2 (as check's)
+
+
+class GPUUnusable(RuntimeError):
+    """A kernel of yours left the GPU unusable in this process: it never ended (it keeps the GPU busy until the
+    process ends) or it hit a sticky CUDA error. Restart Python, then check() that exercise."""
 
 
 # ----------------------------------------------------------------------------- the swaps of steps 2 to 4
@@ -124,9 +133,11 @@ def _classifier(kern, original):
             return original(logits, targets, losses=losses, scale=scale, grad=grad)
         logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)
         N, V = logits.shape
+        targets = expect_array(targets, "targets", dtype=np.int32, shape=(N,))    # read as int* by your kernel
         loss = out_array(losses, (N,), name="losses")
-        kern("classifier_row")((N,), (256,), (logits, targets, loss, np.int32(V),
-                                              np.float32(1.0 / N if scale is None else scale)))
+        if N and V:
+            kern("classifier_row")((N,), (256,), (logits, targets, loss, np.int32(V),
+                                                  np.float32(1.0 / N if scale is None else scale)))
         return loss
 
     return classifier
@@ -219,7 +230,8 @@ def choose(mine=True, checker=None, timing: bool = True, verbose: bool = False) 
     """One Row per swap (common.exercises.swaps()): yours when your working copy passes check(), else the
     course's, with the reason. checker(exercise_id, path) -> (CheckResult, printed text) replaces the check
     (tests); verbose prints each check's own output too. Raises RuntimeError when a check leaves the GPU
-    unusable (a kernel that never ends, a sticky CUDA error): restart Python, then check that exercise."""
+    unusable (GPUUnusable: a kernel that never ends, a sticky CUDA error): restart Python, then check that
+    exercise. An exercise that needs a newer GPU (its min_sm) is the course's, and not checked, on an older one."""
     from common.exercises import exercise, registry, swaps, working_copy
     from common.kernels import ROOT
     source = _source(mine)
@@ -237,6 +249,10 @@ def choose(mine=True, checker=None, timing: bool = True, verbose: bool = False) 
         if path.read_bytes() == (ROOT / ex.stub).read_bytes():
             rows.append(Row(sw, False, "your file is still the stub as shipped"))
             continue
+        too_old = _too_old(ex)
+        if too_old:
+            rows.append(Row(sw, False, too_old, str(path)))
+            continue
         result, text = checker(ex_id, path)
         if verbose:
             print(text, end="")
@@ -246,12 +262,24 @@ def choose(mine=True, checker=None, timing: bool = True, verbose: bool = False) 
                    "does not compile" if not result.compiled else (result.message or "not run"))
             rows.append(Row(sw, False, f"check({ex_id!r}) FAILs: {why}", str(path)))
             if result.ran and result.message:          # a hang or a sticky CUDA error: nothing more can run
-                raise RuntimeError(f"{ex_id}: {result.message}")
+                raise GPUUnusable(f"{ex_id}: {result.message}")
             continue
         t = result.timings
         ms = lambda k: t[k].median_ms if k in t else None            # noqa: E731
         rows.append(Row(sw, True, "passes check()", str(path), ms("yours"), ms("course")))
     return rows
+
+
+def _too_old(ex) -> str | None:
+    """Why this GPU cannot run the exercise's kernel (its min_sm: e.g. tensor-core instructions), or None."""
+    if ex.min_sm is None:
+        return None
+    from common.device import device_info
+    need, what = ex.min_sm
+    sm = device_info()["sm"]
+    if sm >= need:
+        return None
+    return f"{what} need compute capability {need // 10}.{need % 10}; this GPU is {sm // 10}.{sm % 10}"
 
 
 def table(rows: list) -> str:
@@ -305,11 +333,69 @@ def _compile(rows: list) -> None:
 
 
 # ----------------------------------------------------------------------------- GPT-2 on them
+def _capturing() -> bool:
+    """Whether the current stream is being captured into a CUDA graph (where no wait may happen)."""
+    import cupy as cp
+    try:
+        return bool(cp.cuda.get_current_stream().is_capturing())
+    except Exception:
+        return False
+
+
+def _shape_key(args, kw) -> tuple:
+    """What makes one call of an op differ from another for a kernel: array shapes and dtypes, plain values."""
+    def one(v):
+        if hasattr(v, "shape") and hasattr(v, "dtype"):
+            return ("array", tuple(v.shape), str(v.dtype))
+        return v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kw.items()))
+
+
+def _watched(exercise_id: str, op: str, fn, on_unusable=None, timeout_s: float = WATCH_S):
+    """fn (a replacement running your kernel) that, the first time it is called with each shape, waits for the
+    GPU at most timeout_s (common.exercises' bounded wait): a kernel of yours that never ends, or ends in a
+    CUDA error, on one of GPT-2's shapes raises GPUUnusable there instead of hanging the decode loop. Later
+    calls with a shape already seen run without waiting. on_unusable(message), if given, is called first
+    (the command line leaves the process there: a decoder's clean-up would wait for the GPU forever)."""
+    import sys
+    from common import exercises as E
+    seen = set()
+
+    @functools.wraps(fn)
+    def run(*args, **kw):
+        out = fn(*args, **kw)
+        key = _shape_key(args, kw)
+        if key in seen or _capturing():
+            return out
+        try:
+            E._wait(timeout_s)
+        except E._Hang:
+            msg = (f"{exercise_id}: your kernel, as {op} inside GPT-2, did not finish within {timeout_s:g} s (an "
+                   f"endless loop at these shapes?); the GPU stays busy until this Python process ends: restart "
+                   f"it (Jupyter: Kernel > Restart), then check({exercise_id!r})")
+            if on_unusable is not None:
+                on_unusable(msg)
+            print(msg, file=sys.stderr, flush=True)    # shown now: the decoder's clean-up may wait for the GPU
+            raise GPUUnusable(msg) from None
+        except Exception as e:         # the CUDA error of a kernel queued so far: sticky
+            msg = (f"{exercise_id}: the GPU reported an error after your kernel ran as {op} inside GPT-2 "
+                   f"({type(e).__name__}: {e}); a CUDA error is sticky: restart Python, then check({exercise_id!r})")
+            if on_unusable is not None:
+                on_unusable(msg)
+            raise GPUUnusable(msg) from e
+        seen.add(key)
+        return out
+
+    return run
+
+
 class Capstone:
-    """GPT-2 (a step4_gpt2.model.GPT) and the kernels chosen for each swappable op (rows)."""
+    """GPT-2 (a step4_gpt2.model.GPT) and the kernels chosen for each swappable op (rows). on_unusable:
+    None, or a function(message) called when a kernel of yours leaves the GPU unusable (see _watched)."""
 
     def __init__(self, model, rows: list, tokenizer=None):
         self.model, self.rows, self.tokenizer = model, rows, tokenizer
+        self.on_unusable = None
 
     @property
     def yours(self) -> list:
@@ -320,7 +406,8 @@ class Capstone:
 
     @contextlib.contextmanager
     def swapped(self, where=SWAP_USES):
-        """Your kernels in place of the course's ops (those used in `where`) while the block runs."""
+        """Your kernels in place of the course's ops (those used in `where`) while the block runs; the first
+        call of each op at each shape waits for the GPU, at most WATCH_S (GPUUnusable if your kernel hangs)."""
         import importlib
         from unittest import mock
         with contextlib.ExitStack() as stack:
@@ -329,7 +416,8 @@ class Capstone:
                     continue
                 mod = importlib.import_module(r.swap.module)
                 original = getattr(mod, r.swap.attribute)
-                stack.enter_context(mock.patch.object(mod, r.swap.attribute, r.swap.make(r.kern, original)))
+                fn = _watched(r.swap.exercise, r.swap.op, r.swap.make(r.kern, original), self.on_unusable)
+                stack.enter_context(mock.patch.object(mod, r.swap.attribute, fn))
             yield self
 
     def decoder_options(self) -> dict:
@@ -339,8 +427,12 @@ class Capstone:
     def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, **kw):
         """generate() (step4_gpt2.generate) with your kernels swapped in: a string (printed as it is made,
         with the tokenizer) or a list of prompts (token id lists or strings). Returns the Generation."""
-        from step4_gpt2.generate import generate, generate_streamed
         kw = {**self.decoder_options(), **kw}
+        if self.uses("decode") and kw.get("cuda_graph", True):
+            # a graph would record your kernels (and the buffers they allocate) and replay them after the swap
+            raise ValueError("cuda_graph: decode ops of yours are swapped in, so the decode step runs eagerly; "
+                             "leave cuda_graph out (or False)")
+        from step4_gpt2.generate import generate, generate_streamed
         with self.swapped(("prefill", "decode")):
             if isinstance(prompts, str):
                 return generate_streamed(self.model, prompts, max_new_tokens, tokenizer=self.tokenizer,
@@ -386,10 +478,11 @@ class Capstone:
 
 
 def build(mine=True, model=None, weights=None, name: str = "gpt2", timing: bool = True, verbose: bool = False,
-          quiet: bool = False) -> Capstone:
+          quiet: bool = False, tokenizer=None) -> Capstone:
     """GPT-2 on your kernels. mine: True / "mine" (your files in the exercises folder, each re-checked),
     "solutions" (the shipped solutions, through a temporary exercises folder), False / "course" (none).
-    model: a step4_gpt2.model.GPT to use; else GPT-2 `name` from weights.load (weights: a folder or file).
+    model: a step4_gpt2.model.GPT to use (with its `tokenizer`, for text prompts), e.g. the one a notebook has
+    loaded already; else GPT-2 `name` from weights.load (weights: a folder or file).
     Prints the table of kernels (unless quiet) and returns a Capstone (its .generate, .train)."""
     from common.device import require_gpu
     source = _source(mine)
@@ -401,7 +494,7 @@ def build(mine=True, model=None, weights=None, name: str = "gpt2", timing: bool 
     else:
         rows = choose(source, timing=timing, verbose=verbose)
         _compile(rows)
-    tok = None
+    tok = tokenizer
     if model is None:
         from step4_gpt2 import tokenizer, weights as W
         from step4_gpt2.model import GPT
@@ -415,4 +508,4 @@ def build(mine=True, model=None, weights=None, name: str = "gpt2", timing: bool 
     return Capstone(model, rows, tok)
 
 
-__all__ = ["build", "choose", "table", "solutions_dir", "Capstone", "Row", "SWAPS", "SOURCES"]
+__all__ = ["build", "choose", "table", "solutions_dir", "Capstone", "Row", "SWAPS", "SOURCES", "GPUUnusable"]

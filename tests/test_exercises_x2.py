@@ -81,6 +81,20 @@ def test_handoff_reference_is_what_the_kernel_writes():
     assert (none["received"] == -1).all() and (none["status"] == 1).all()
 
 
+def test_handoff_is_not_launched_when_its_blocks_cannot_all_be_resident(monkeypatch, capsys):
+    """The GPU-only guard of the handoff's launch, on the CPU: consumers spinning on producers that cannot be
+    scheduled would only give up, so a grid larger than the GPU holds at once is refused before any launch."""
+    from step4_gpt2.megakernel import exercises as X
+    monkeypatch.setattr(X, "_resident", lambda kernel: 5)
+
+    class NoLaunch:
+        def __call__(self, *args, **kw):
+            raise AssertionError("launched although its blocks cannot all be resident")
+    host = X._handoff_make({"pairs": 3, "trials": 2}, np.random.default_rng(0))
+    X._handoff_launch(lambda name: NoLaunch(), host)
+    assert "6 blocks must run at once" in capsys.readouterr().out
+
+
 def test_check_timer_without_gpu_says_so(capsys):
     from common.device import gpu_available
     if gpu_available():
@@ -88,6 +102,62 @@ def test_check_timer_without_gpu_says_so(capsys):
     from step1_simple import streams
     result = streams.check_timer(lambda fn: 1.0)
     assert not result.ran and not result.passed and "needs an NVIDIA GPU" in capsys.readouterr().out
+
+
+def test_mma_check_on_an_old_gpu_says_so_without_launching(monkeypatch, capsys):
+    """The GPU-only guard, on the CPU: a GPU said to be sm_70 gets the message and no launch (nothing in this
+    path touches CUDA before the guard returns)."""
+    from common import device
+    from step2_attention import exercises as X2
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    monkeypatch.setattr(device, "device_info", lambda: {"sm": 70, "name": "an sm_70 stand-in"})
+    result = E.check("step2/mma_tile", path=ROOT / E.exercise("step2/mma_tile").solution, timing=False)
+    out = capsys.readouterr().out
+    assert not result.ran and not result.passed and "7.5 or newer" in out and "this GPU is 7.0" in out
+
+    def no_launch(name):
+        raise AssertionError(f"{name} was launched on a GPU without fp16 mma.sync")
+    monkeypatch.setattr(X2, "_told", [])
+    X2._mma_launch(no_launch, {})
+    X2._mma_launch(no_launch, {})
+    assert capsys.readouterr().out.count("7.5 or newer") == 1, "the launch guard says it once"
+
+
+def test_check_timer_judges_with_stand_ins(monkeypatch, capsys):
+    """check_timer's GPU path on the CPU: busy_wait and the device replaced by stand-ins that record the queue,
+    timers that read what a right one, a host timer with a synchronize, one in seconds and one that raises
+    would read."""
+    import cupy as cp
+    from common import device
+    from step1_simple import streams
+    queue = []
+
+    class Device:
+        def synchronize(self):
+            queue.clear()
+
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    monkeypatch.setattr(streams, "busy_wait", lambda ms, *a, **kw: queue.append(ms))
+    monkeypatch.setattr(cp.cuda, "Device", Device)
+
+    def right(fn):                 # the kernel fn enqueues, not the queue ahead of it
+        fn()
+        return queue[-1] * 1.01
+
+    def with_queue(fn):            # the host's clock around fn() and a synchronize: the queue ahead too
+        fn()
+        return sum(queue)
+
+    def raises(fn):
+        raise RuntimeError("cudaErrorNotReady")
+
+    assert streams.check_timer(right).passed
+    r = streams.check_timer(with_queue)
+    assert r.ran and [c.passed for c in r.cases] == [True, False] and not r.passed
+    r = streams.check_timer(lambda fn: right(fn) / 1e3)
+    assert not any(c.passed for c in r.cases) and "seconds?" in capsys.readouterr().out
+    r = streams.check_timer(raises)
+    assert r.ran and not r.passed and all("raised RuntimeError" in c.detail for c in r.cases)
 
 
 @pytest.mark.parametrize("path,ex_id", [
@@ -147,8 +217,10 @@ def test_mma_check_on_a_gpu_without_tensor_cores_says_so(capsys):
 @gpu
 def test_handoff_without_producers_gives_up_in_bounded_time():
     import time
+    path = ROOT / E.exercise("step4/handoff").solution
+    E.check("step4/handoff", path=path, timing=False, timeout_s=10)    # compiles (here and CuPy's own kernels)
     t0 = time.monotonic()
-    result = E.check("step4/handoff", path=ROOT / E.exercise("step4/handoff").solution, timing=False, timeout_s=10)
+    result = E.check("step4/handoff", path=path, timing=False, timeout_s=10)
     assert result.passed, result.cases
     assert time.monotonic() - t0 < 20, "the bounded spins should give up within a fraction of a second each"
 

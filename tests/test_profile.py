@@ -159,3 +159,26 @@ def test_profile_says_when_no_kernel_matched(capsys):
     if "ERR_NVGPUCTRPERM" in out:
         pytest.skip("ncu may not read this GPU's counters here")
     assert "no_such_kernel" in out and "course_probe_scale" in out, out
+
+
+def test_a_failing_code_says_its_exception_not_no_kernel(monkeypatch, capsys):
+    """The profiled code raised before its kernel: ncu disconnects normally and exits non-zero; the one line is the
+    Python exception, not "no launch matched" (and the code is not run a second time to list kernels)."""
+    err = ('Traceback (most recent call last):\n  File "/tmp/profiled.py", line 3, in <module>\n    x = ops.axpb(1)\n'
+           'TypeError: x: expected a cupy.ndarray on the GPU, got builtins.int\n')
+    log = ("==PROF== Connected to process 4242 (/usr/bin/python3)\n==PROF== Disconnected from process 4242\n"
+           "==ERROR== The application returned an error code (1).\n")
+    runs = []
+
+    def fake(cmd, timeout):
+        runs.append(cmd)
+        log_file = cmd[cmd.index("--log-file") + 1]
+        with open(log_file, "w") as f:
+            f.write(log)
+        return 1, "", err
+    monkeypatch.setattr(mod, "find_ncu", lambda: "/bin/ncu")
+    monkeypatch.setattr(mod, "_run", fake)
+    assert profile("from step1_simple import ops\nx = ops.axpb(1)", kernel="axpb") is None
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1 and "TypeError: x: expected a cupy.ndarray" in out, out
+    assert len(runs) == 1

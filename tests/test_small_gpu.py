@@ -26,7 +26,7 @@ def test_cap_values_read_as_cupy_reads_them():
     assert cap("25%", 16 * GIB) == 4 * GIB
     assert cap("25%", None) is None                       # a share of a GPU that is not there: nothing to cap
     assert cap("", 16 * GIB) is None and cap("0", 16 * GIB) is None and cap("0%", 16 * GIB) is None
-    for bad in ("6G", "-5", "150%", "abc"):
+    for bad in ("6G", "-5", "150%", "abc", "x%", "nan%"):
         with pytest.raises(ValueError, match="CUPY_GPU_MEMORY_LIMIT"):
             cap(bad, 16 * GIB)
 

@@ -34,6 +34,7 @@ def test_late_fill_writes_every_element(n):
 def test_wait_event_orders_two_streams():
     n = 1 << 20
     x = poison(cp.empty(n, cp.float32))
+    cp.cuda.Device().synchronize()      # the NaN fill ran on the default stream, which non-blocking streams ignore
     s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     with s1:
         streams.late_fill(x, 3.0, after_ms=2.0)

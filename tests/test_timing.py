@@ -109,3 +109,118 @@ def test_eager_and_graph_replay_of_one_kernel_agree():
         tg = bench(lambda: graph.launch(stream), name="graph", repeat=50)
     assert te.overruns == 0 and tg.overruns == 0
     assert abs(te.median_ms - tg.median_ms) <= 0.10 * max(te.median_ms, tg.median_ms) + 0.005, (te, tg)
+
+
+# --- CPU: bench's GPU path with stand-ins (a scripted host clock, a fake CuPy) ---------------------------------
+
+class _Sim:
+    """A host clock that only the stand-ins move, and a GPU that is busy until `gpu_free` (seconds on that clock).
+    `fn_ms(sim)` says how long the host spends in fn() (set per phase); `sleep_compile_ms` is what the first launch
+    of bench's sleep kernel costs the host (a compile)."""
+
+    def __init__(self, monkeypatch, fn_ms, sleep_compile_ms=0.0):
+        import sys
+        import types
+        import common.device
+        import common.timing as timing
+        self.now, self.gpu_free, self.fn_ms, self.timed = 0.0, 0.0, fn_ms, False
+        self.sleep_compile_ms, self.sleeps, self.fn_calls = sleep_compile_ms, [], 0
+        sim = self
+
+        def advance(ms):
+            sim.now += ms * 1e-3
+
+        def gpu(ms):                                        # enqueue `ms` of GPU work behind what is queued
+            sim.gpu_free = max(sim.gpu_free, sim.now) + ms * 1e-3
+
+        class Stream:
+            def synchronize(self):
+                sim.now = max(sim.now, sim.gpu_free)
+
+        class Event:
+            def record(self, stream=None):
+                advance(0.002)
+
+            def synchronize(self):
+                sim.now = max(sim.now, sim.gpu_free)
+
+        def sleep(grid, block, args, stream=None):
+            if sim.sleep_compile_ms:                        # the first launch compiles the kernel
+                advance(sim.sleep_compile_ms)
+                sim.sleep_compile_ms = 0.0
+            advance(0.005)
+            ns = int(args[0])
+            sim.sleeps.append(ns / 1e6)
+            gpu(ns / 1e6)
+
+        class Flush:
+            def sum(self):
+                advance(0.02)
+                gpu(0.03)
+
+        cuda = types.SimpleNamespace(Event=Event, get_current_stream=lambda: Stream(),
+                                     get_elapsed_time=lambda a, b: 0.004)
+        monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+        monkeypatch.setattr(common.device, "require_gpu", lambda: None)
+        monkeypatch.setattr(timing, "_gpu_sleep", lambda: sleep)
+        monkeypatch.setattr(timing, "_flush_buffer", lambda: Flush())
+        monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: sim.now))
+        self.advance, self.gpu = advance, gpu
+
+    def fn(self):
+        self.fn_calls += 1
+        self.advance(self.fn_ms(self))
+        self.gpu(0.004)                                     # a tiny kernel
+
+
+def test_the_first_launch_of_the_sleep_kernel_sets_no_lead(monkeypatch):
+    """The sleep kernel's first launch compiles it (here 200 ms of host time). It happens before anything is
+    timed: no run is re-timed for it, and the lead stays at what fn() needs (it used to become 50 ms, kept for
+    every run: 500 runs of a 4 us kernel then took 25 s)."""
+    sim = _Sim(monkeypatch, fn_ms=lambda s: 0.045, sleep_compile_ms=200.0)
+    t = bench(sim.fn, name="tiny", repeat=50)
+    assert t.overruns == 0 and len(t.times_ms) == 50
+    assert t.lead_ms == pytest.approx(_lead_for(0.045))
+    assert max(sim.sleeps) == pytest.approx(_lead_for(0.045), abs=1e-5)
+    assert t.host_median_ms == pytest.approx(0.045)
+
+
+def test_one_slow_run_is_retimed_alone(monkeypatch):
+    """A garbage collection (30 ms) inside one timed fn(): that run is re-timed with a longer lead, and the runs
+    after it go back to the usual one."""
+    calls = {"n": 0}
+
+    def fn_ms(sim):
+        calls["n"] += 1
+        return 30.0 if calls["n"] == 3 + 20 + 5 else 0.05    # warm-up, untimed runs, then the 5th timed run
+    sim = _Sim(monkeypatch, fn_ms)
+    t = bench(sim.fn, name="tiny", repeat=40)
+    base = _lead_for(0.05)
+    timed = sim.sleeps[1:]                                  # [0] is the warm-up launch (0 ns)
+    assert sim.sleeps[0] == 0.0
+    assert len(timed) == 41 and timed.count(LEAD_MAX_MS) == 1      # one re-time, with a long lead ...
+    assert max(timed[6:]) < 2 * base                        # ... and about the usual lead after it (one that
+    assert t.overruns == 0 and t.lead_ms < 2 * base          # covers the runs' median span: launch + fn + records)
+
+
+def test_a_fn_that_waits_for_the_gpu_is_counted_not_chased(monkeypatch):
+    """fn() that synchronizes (a .get(), a cudaFree): its host time grows with any lead, so no lead hides it. Each
+    run is re-timed once, then counted in `overruns`; the lead does not climb to 50 ms."""
+    def fn_ms(sim):
+        return max(0.03, (sim.gpu_free - sim.now) * 1e3 + 0.01)   # returns once the GPU is done
+    sim = _Sim(monkeypatch, fn_ms)
+    t = bench(sim.fn, name="syncs", repeat=20)
+    assert t.overruns == 20 and len(sim.sleeps) == 1 + 2 * 20
+    assert t.lead_ms == pytest.approx(_lead_for(0.03))     # untouched: the lead of the untimed runs
+    assert max(sim.sleeps) < 1.0
+
+
+def test_a_loop_slower_than_the_untimed_runs_raises_the_lead(monkeypatch):
+    """The host's work in the timed loop is 0.4 ms where the untimed runs took 0.05 ms: the first run is re-timed,
+    the lead then covers the loop's usual time, and no run is counted as an overrun."""
+    def fn_ms(sim):
+        return 0.05 if sim.fn_calls <= 3 + 20 else 0.4
+    sim = _Sim(monkeypatch, fn_ms)
+    t = bench(sim.fn, name="slower", repeat=30)
+    assert t.overruns == 0 and t.lead_ms > 0.4
+    assert len(sim.sleeps) == 1 + 30 + 1                    # one re-time, at the first run only

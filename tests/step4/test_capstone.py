@@ -132,8 +132,92 @@ def test_a_check_that_leaves_the_gpu_unusable_stops_the_build(workdir):
         r.cases = [E.CaseResult("a", False, "did not finish")]
         return r, ""
 
-    with pytest.raises(RuntimeError, match="still running"):
+    with pytest.raises(CAP.GPUUnusable, match="still running"):
         CAP.choose("mine", checker=hung)
+
+
+def test_an_exercise_this_gpu_is_too_old_for_is_the_courses(workdir, monkeypatch):
+    import dataclasses
+    import common.device
+    ex_id = next(iter(E.swaps()))
+    monkeypatch.setitem(E.registry(), ex_id, dataclasses.replace(E.exercise(ex_id), min_sm=(90, "wgmma tiles")))
+    monkeypatch.setattr(common.device, "device_info", lambda: {"sm": 80})
+    path = E.start(ex_id)
+    path.write_text(path.read_text() + "\n// my work\n")
+    rows = CAP.choose("mine", checker=lambda i, p: pytest.fail(f"{i}: checked on a GPU too old for it"))
+    row = next(r for r in rows if r.swap.exercise == ex_id)
+    assert not row.yours and row.why == "wgmma tiles need compute capability 9.0; this GPU is 8.0"
+
+
+# ============================================================================ CPU: the swaps while GPT-2 runs
+def _one_swap(launches, make=None):
+    """A Capstone (no model) whose one row of yours replaces step4_gpt2.ops.bias_gelu with a stand-in kernel."""
+    sw = E.Swap("step4/bias_gelu", "step4_gpt2.ops.bias_gelu", ("prefill", "decode"),
+                make or (lambda kern, original: lambda h, b: kern("bias_gelu")(h, b)))
+    row = CAP.Row(sw, True, "passes check()", kernels={"bias_gelu": lambda h, b: launches.append(h.shape)})
+    return CAP.Capstone(None, [row])
+
+
+def test_swapped_ops_come_back_even_on_errors(monkeypatch):
+    from step4_gpt2 import ops
+    course = ops.bias_gelu
+    monkeypatch.setattr(CAP, "_capturing", lambda: False)
+    monkeypatch.setattr(E, "_wait", lambda timeout_s: None)
+    launches = []
+    gpt = _one_swap(launches)
+    with gpt.swapped(("train",)):
+        assert ops.bias_gelu is course, "swapped in where it is not used"
+    with pytest.raises(KeyError):
+        with gpt.swapped(("prefill",)):
+            assert ops.bias_gelu is not course
+            ops.bias_gelu(np.zeros((2, 3), np.float32), np.zeros(3, np.float32))
+            raise KeyError("an error inside the block")
+    assert ops.bias_gelu is course and launches == [(2, 3)]
+
+
+def test_a_kernel_that_hangs_inside_gpt2_is_reported_not_waited_for(monkeypatch):
+    from step4_gpt2 import ops
+    course = ops.bias_gelu
+    waits, told = [], []
+
+    def wait(timeout_s):
+        waits.append(timeout_s)
+        if len(waits) == 2:
+            raise E._Hang
+
+    monkeypatch.setattr(CAP, "_capturing", lambda: False)
+    monkeypatch.setattr(E, "_wait", wait)
+    launches = []
+    gpt = _one_swap(launches)
+    gpt.on_unusable = told.append
+    h, b = np.zeros((2, 3), np.float32), np.zeros(3, np.float32)
+    with pytest.raises(CAP.GPUUnusable, match="did not finish within 30 s") as e:
+        with gpt.swapped(("decode",)):
+            ops.bias_gelu(h, b)                           # a new shape: waited for (bounded)
+            ops.bias_gelu(h, b)                           # seen: not waited for
+            ops.bias_gelu(np.zeros((5, 3), np.float32), b)    # a new shape: it hangs
+    assert waits == [CAP.WATCH_S, CAP.WATCH_S] and len(launches) == 3
+    assert told == [str(e.value)] and "step4/bias_gelu" in told[0] and "restart" in told[0]
+    assert ops.bias_gelu is course
+
+    def sticky(timeout_s):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    monkeypatch.setattr(E, "_wait", sticky)
+    gpt.on_unusable = None
+    with pytest.raises(CAP.GPUUnusable, match="illegal memory access"):
+        with gpt.swapped(("prefill",)):
+            ops.bias_gelu(h, b)
+    monkeypatch.setattr(CAP, "_capturing", lambda: True)     # inside a CUDA graph's capture: no wait at all
+    with gpt.swapped(("prefill",)):
+        ops.bias_gelu(h, b)
+
+
+def test_no_cuda_graph_while_decode_ops_are_swapped():
+    gpt = _one_swap([])
+    assert gpt.decoder_options() == {"cuda_graph": False, "plan": "split"}
+    with pytest.raises(ValueError, match="cuda_graph"):
+        gpt.generate([[1, 2, 3]], 4, cuda_graph=True)
 
 
 def test_bad_choice_is_a_clear_error():
@@ -174,6 +258,49 @@ def test_cli_help_and_bad_flags(capsys):
         assert e.value.code == 2 and msg in capsys.readouterr().err, argv
 
 
+def test_cli_a_gpu_left_unusable_ends_with_its_status(monkeypatch, capsys):
+    """--mine: a check that hangs (or a kernel that hangs inside GPT-2) ends the run with GPU_UNUSABLE and the
+    message, not a traceback (the stand-ins below replace the GPU, the weights and the build)."""
+    import common.device
+    from step4_gpt2 import __main__ as M, model, tokenizer, weights
+
+    class Tok:
+        eot = 0
+
+    monkeypatch.setattr(common.device, "require_gpu", lambda: None)
+    monkeypatch.setattr(common.device, "describe", lambda: "a stand-in GPU")
+    monkeypatch.setattr(weights, "load", lambda *a, **k: (None, None, None))
+    monkeypatch.setattr(tokenizer, "BPETokenizer", Tok)
+    monkeypatch.setattr(model, "GPT", lambda cfg, params: object())
+
+    def hangs(*a, **k):
+        raise CAP.GPUUnusable("step4/gemv: your kernel is still running: restart")
+
+    monkeypatch.setattr(CAP, "build", hangs)
+    assert M.main(["--mine", "Hi"]) == M.GPU_UNUSABLE
+    assert "step4/gemv: your kernel is still running" in capsys.readouterr().err
+
+    class Hung:
+        on_unusable = None
+
+        def decoder_options(self):
+            return {"cuda_graph": False, "plan": "split"}
+
+        def swapped(self, where):
+            return _Raises()
+
+    class _Raises:
+        def __enter__(self):
+            raise CAP.GPUUnusable("step4/gemv: your kernel, as step4_gpt2.ops.gemv inside GPT-2, did not finish")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(CAP, "build", lambda *a, **k: Hung())
+    assert M.main(["--mine", "Hi"]) == M.GPU_UNUSABLE
+    assert "did not finish" in capsys.readouterr().err
+
+
 # ============================================================================ GPU
 def _small_model(seed: int = 3):
     from step4_gpt2.model import GPT
@@ -182,18 +309,29 @@ def _small_model(seed: int = 3):
     return GPT(cfg, random_weights(cfg, seed=seed, notice=False))
 
 
+class _Counted:
+    """A compiled kernel whose launches are counted; its attributes are the kernel's (a launch may set
+    max_dynamic_shared_size_bytes through common.allow_dynamic_smem, or read num_regs)."""
+
+    def __init__(self, fn, counts, ex_id):
+        self.__dict__.update(_fn=fn, _counts=counts, _ex_id=ex_id)
+
+    def __call__(self, *a, **k):
+        self._counts[self._ex_id] += 1
+        return self._fn(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._fn, name, value)
+
+
 def _count_launches(gpt) -> dict:
     """Wrap the learner's compiled kernels so that each launch is counted, per exercise."""
     counts = {r.swap.exercise: 0 for r in gpt.yours}
-
-    def counted(ex_id, fn):
-        def launch(*a, **k):
-            counts[ex_id] += 1
-            return fn(*a, **k)
-        return launch
-
     for r in gpt.yours:
-        r.kernels = {k: counted(r.swap.exercise, f) for k, f in r.kernels.items()}
+        r.kernels = {k: _Counted(f, counts, r.swap.exercise) for k, f in r.kernels.items()}
     return counts
 
 

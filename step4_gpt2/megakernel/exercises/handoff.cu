@@ -10,8 +10,8 @@
 //   consumer: one thread reads the flag until it is seq, but at most max_tries times; then EVERY thread of the
 //             block must know whether it arrived. If it did, the block copies the payload to received (given);
 //             if not, it copies nothing. status[p] is the error flag the host reads: 0 received, 1 gave up.
-// The checker launches it many times (seq = 1, 2, ...) with as many pairs as the GPU holds at once and
-// compares every received payload and status; in its last case no producer is launched at all: every
+// The checker launches it many times (seq = 1, 2, ...) with up to one pair per SM (every block resident at
+// once) and compares every received payload and status; in its last case no producer is launched at all: every
 // consumer must give up and report 1 (within max_tries reads), not hang.
 //
 // Hint 1 (where to look): lesson 1d, handoff_v4 in step1_simple/memory_model.cu (and load_acquire,
