@@ -109,7 +109,8 @@ def test_header_and_solution_say_what_they_must(ex_id):
 
 def test_the_sanitizer_exercise_says_how_to_run_it():
     head = _header(E.exercise("step3/find_bug_sync").stub)
-    assert "racecheck" in head and "find_sanitizer" in head and "check('step3/find_bug_sync'" in head
+    assert "racecheck" in head and 'sanitize("step3/find_bug_sync", tool="racecheck")' in head
+    assert "check('step3/find_bug_sync'" in head
 
 
 def test_docs_list_every_find_bug_exercise():

@@ -14,9 +14,9 @@
 // results that change from run to run are the mark of a race.
 //
 // Find it with compute-sanitizer's racecheck (GPU; the pip wheel requirements-dev.txt installs, no CUDA
-// toolkit needed: docs/debugging.md, section 2). From the repository's top folder:
-//   S=$(python -c "from tests.sanitize import find_sanitizer as f; print(*f())")
-//   $S --tool racecheck python -c "from common.exercises import check; check('step3/find_bug_sync', timing=False)"
+// toolkit needed: docs/debugging.md, section 2). From the notebook or any Python:
+//   from common.sanitize import sanitize; sanitize("step3/find_bug_sync", tool="racecheck")
+// which runs check('step3/find_bug_sync', timing=False) on your copy under the sanitizer.
 // It names the shared-memory address, the two lines of this file that race and the kind of hazard.
 //
 // Hint 1 (where to look): columns 0-31 belong to warp 0, which is always right; the other warps are not.
