@@ -428,6 +428,18 @@ def check(exercise_id: str, path=None, timing: bool = True, timeout_s: float = T
     return _check_on_gpu(ex, path, result, timing, timeout_s)
 
 
+def too_old(ex: Exercise) -> str | None:
+    """Why this GPU cannot run the exercise's kernel (its min_sm: e.g. tensor-core instructions), or None."""
+    if ex.min_sm is None:
+        return None
+    from common.device import device_info
+    need, what = ex.min_sm
+    sm = device_info()["sm"]
+    if sm >= need:
+        return None
+    return f"{what} need compute capability {need // 10}.{need % 10} or newer; this GPU is {sm // 10}.{sm % 10}"
+
+
 def load_kernels(ex: Exercise, path) -> dict:
     """{kernel name: the compiled kernel} of the file at `path` for exercise `ex` (cached by get_kernel), e.g. a
     learner's passing file, for the capstone to swap into GPT-2."""
@@ -437,15 +449,11 @@ def load_kernels(ex: Exercise, path) -> dict:
 
 def _check_on_gpu(ex: Exercise, path: Path, result: CheckResult, timing: bool, timeout_s: float) -> CheckResult:
     from common.kernels import KernelCompileError, get_kernel
-    if ex.min_sm is not None:
-        from common.device import device_info
-        need, what = ex.min_sm
-        sm = device_info()["sm"]
-        if sm < need:
-            result.message = (f"{what} need compute capability {need // 10}.{need % 10} or newer; this GPU is "
-                              f"{sm // 10}.{sm % 10}: your file compiles, but cannot run here")
-            print(f"{ex.id}: {result.message}")
-            return result
+    old = too_old(ex)
+    if old is not None:
+        result.message = f"{old}: your file compiles, but cannot run here"
+        print(f"{ex.id}: {result.message}")
+        return result
 
     def kern(name):
         return get_kernel(path, name, ex.defines)
@@ -556,5 +564,5 @@ def _size_text(params: dict) -> str:
 from common.hints import answer, hint  # noqa: E402  (the hint ladder, docs/exercises.md; hints reads no spec)
 
 __all__ = ["start", "check", "reset", "solution", "hint", "answer", "exercises", "working_copy", "work_dir",
-           "registry", "load_kernels", "Exercise", "Speed", "Out", "CaseResult", "CheckResult", "compare", "Swap",
+           "registry", "load_kernels", "too_old", "Exercise", "Speed", "Out", "CaseResult", "CheckResult", "compare", "Swap",
            "swaps", "SWAP_USES"]

@@ -172,7 +172,7 @@ def _say(msg: str) -> None:
     print(f"profile: {msg}")
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
+def run_bounded(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
     """Run ncu in its own process group; on timeout kill the group (ncu and the profiled Python)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -194,7 +194,7 @@ def _run(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
         return None, "", ""
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     """The line that says what went wrong: a Python traceback's exception line (not ncu's own "==ERROR== The
     application returned an error code" after it), else the last line that mentions an error, else the last."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -243,7 +243,7 @@ def profile(code: str, kernel: str, *, launch_skip: int = 0, metrics=(), timeout
         cmd = [ncu, "--csv", "--print-units", "base", "--clock-control", "none", "--log-file", str(log),
                "--metrics", ",".join((*METRICS, *extra)), "-k", f"regex:{kernel}",
                "--launch-skip", str(launch_skip), "--launch-count", "1", sys.executable, str(script)]
-        rc, out, err = _run(cmd, timeout)
+        rc, out, err = run_bounded(cmd, timeout)
         text = log.read_text(errors="replace") if log.exists() else ""
     if rc is None:
         _say(f"ncu did not finish within {timeout:.0f} s and was stopped; no reading (pass timeout= for longer).")
@@ -258,7 +258,7 @@ def profile(code: str, kernel: str, *, launch_skip: int = 0, metrics=(), timeout
         return from_launch(launches[0])
     # the code raised (its traceback is on stderr; ncu still disconnects normally), or ncu itself failed
     if rc != 0 and ("==PROF== Disconnected" not in everything or "Traceback (most recent call last)" in err):
-        _say(f"the profiled code or ncu failed (exit {rc}): {_last_line(err + chr(10) + text)}")
+        _say(f"the profiled code or ncu failed (exit {rc}): {last_line(err + chr(10) + text)}")
         return None
     seen = _kernel_names(ncu, script_code=code, timeout=timeout)
     listing = f"; kernels it saw: {', '.join(seen)}" if seen else ""
@@ -271,7 +271,7 @@ def _kernel_names(ncu: str, script_code: str, timeout: float, count: int = 30) -
     with tempfile.TemporaryDirectory(prefix="course_profile_") as tmp:
         script, log = Path(tmp) / "profiled.py", Path(tmp) / "ncu.log"
         script.write_text(script_code)
-        rc, out, _ = _run([ncu, "--csv", "--log-file", str(log), "--metrics", "gpu__time_duration.sum",
+        rc, out, _ = run_bounded([ncu, "--csv", "--log-file", str(log), "--metrics", "gpu__time_duration.sum",
                            "--launch-count", str(count), sys.executable, str(script)], timeout)
         text = log.read_text(errors="replace") if log.exists() else ""
     names = []

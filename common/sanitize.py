@@ -212,7 +212,7 @@ def sanitize(exercise_id: str, tool: str = "memcheck", path=None, *, show: int =
     run is stopped. Returns a SanitizeResult, or None after one printed line saying why (no sanitizer, no GPU,
     the run stopped or failed before the sanitizer's summary)."""
     from common.device import gpu_available, skip_reason
-    from common.profile import _last_line, _run
+    from common.profile import last_line, run_bounded
     _expect_tool(tool)
     if isinstance(show, bool) or not isinstance(show, int) or show < 0:
         raise ValueError(f"show: expected an int >= 0 (reports to print), got {show!r}")
@@ -230,14 +230,14 @@ def sanitize(exercise_id: str, tool: str = "memcheck", path=None, *, show: int =
     cmd = sanitizer_command(tool, [sys.executable, "-c", child_code(exercise_id, file, timeout)],
                             extra=("--show-backtrace", "device"))
     print(f"{tool} on {exercise_id} ({_shown(file)}): running the check under compute-sanitizer ...", flush=True)
-    rc, out, err = _run(cmd, timeout)
+    rc, out, err = run_bounded(cmd, timeout)
     if rc is None:
         _say(f"{tool} did not finish within {timeout:.0f} s and was stopped (an endless loop? check() without "
              f"the sanitizer says which case; pass timeout= for longer)")
         return None
     rep = parse_report(out + "\n" + err)
     if rep.errors is None:
-        _say(f"the sanitized run failed before the sanitizer's summary (exit {rc}): {_last_line(err + chr(10) + out)}")
+        _say(f"the sanitized run failed before the sanitizer's summary (exit {rc}): {last_line(err + chr(10) + out)}")
         return None
     verdict = re.findall(rf"^{re.escape(exercise_id)}: (PASS|FAIL)", out, re.M)
     result = SanitizeResult(exercise_id, tool, str(file), rep.errors, rep.warnings, rep.hazards, rep.reports,

@@ -232,7 +232,7 @@ def choose(mine=True, checker=None, timing: bool = True, verbose: bool = False) 
     (tests); verbose prints each check's own output too. Raises RuntimeError when a check leaves the GPU
     unusable (GPUUnusable: a kernel that never ends, a sticky CUDA error): restart Python, then check that
     exercise. An exercise that needs a newer GPU (its min_sm) is the course's, and not checked, on an older one."""
-    from common.exercises import exercise, registry, swaps, working_copy
+    from common.exercises import exercise, registry, swaps, too_old, working_copy
     from common.kernels import ROOT
     source = _source(mine)
     checker = checker or (lambda i, p: _quiet_check(i, p, timing))
@@ -249,9 +249,9 @@ def choose(mine=True, checker=None, timing: bool = True, verbose: bool = False) 
         if path.read_bytes() == (ROOT / ex.stub).read_bytes():
             rows.append(Row(sw, False, "your file is still the stub as shipped"))
             continue
-        too_old = _too_old(ex)
-        if too_old:
-            rows.append(Row(sw, False, too_old, str(path)))
+        old = too_old(ex)
+        if old:
+            rows.append(Row(sw, False, old, str(path)))
             continue
         result, text = checker(ex_id, path)
         if verbose:
@@ -268,18 +268,6 @@ def choose(mine=True, checker=None, timing: bool = True, verbose: bool = False) 
         ms = lambda k: t[k].median_ms if k in t else None            # noqa: E731
         rows.append(Row(sw, True, "passes check()", str(path), ms("yours"), ms("course")))
     return rows
-
-
-def _too_old(ex) -> str | None:
-    """Why this GPU cannot run the exercise's kernel (its min_sm: e.g. tensor-core instructions), or None."""
-    if ex.min_sm is None:
-        return None
-    from common.device import device_info
-    need, what = ex.min_sm
-    sm = device_info()["sm"]
-    if sm >= need:
-        return None
-    return f"{what} need compute capability {need // 10}.{need % 10}; this GPU is {sm // 10}.{sm % 10}"
 
 
 def table(rows: list) -> str:

@@ -71,7 +71,7 @@ def test_missing_ncu_prints_one_line_and_returns_none(monkeypatch, tmp_path, cap
 
 def test_ncu_permission_error_is_explained(monkeypatch, capsys):
     monkeypatch.setattr(mod, "find_ncu", lambda: "/bin/ncu")
-    monkeypatch.setattr(mod, "_run", lambda cmd, timeout: (1, "==ERROR== ERR_NVGPUCTRPERM - The user does not "
+    monkeypatch.setattr(mod, "run_bounded", lambda cmd, timeout: (1, "==ERROR== ERR_NVGPUCTRPERM - The user does not "
                                                               "have permission to access NVIDIA GPU Performance "
                                                               "Counters", ""))
     assert profile("print(1)", kernel="k") is None
@@ -81,7 +81,7 @@ def test_ncu_permission_error_is_explained(monkeypatch, capsys):
 
 def test_timeout_returns_none_with_a_message(monkeypatch, capsys):
     monkeypatch.setattr(mod, "find_ncu", lambda: "/bin/ncu")
-    monkeypatch.setattr(mod, "_run", lambda cmd, timeout: (None, "", ""))
+    monkeypatch.setattr(mod, "run_bounded", lambda cmd, timeout: (None, "", ""))
     assert profile("print(1)", kernel="k", timeout=3) is None
     assert "within 3 s" in capsys.readouterr().out
 
@@ -93,7 +93,7 @@ def test_the_command_line(monkeypatch):
         seen["cmd"] = cmd
         return 0, SAMPLE, ""
     monkeypatch.setattr(mod, "find_ncu", lambda: "/bin/ncu")
-    monkeypatch.setattr(mod, "_run", fake)
+    monkeypatch.setattr(mod, "run_bounded", fake)
     p = profile("print(1)", kernel="axpb_v[0-9]", launch_skip=2, metrics=["lts__t_bytes.sum"])
     assert p is not None and p.kernel == "axpb_v3"
     cmd = " ".join(seen["cmd"])
@@ -177,7 +177,7 @@ def test_a_failing_code_says_its_exception_not_no_kernel(monkeypatch, capsys):
             f.write(log)
         return 1, "", err
     monkeypatch.setattr(mod, "find_ncu", lambda: "/bin/ncu")
-    monkeypatch.setattr(mod, "_run", fake)
+    monkeypatch.setattr(mod, "run_bounded", fake)
     assert profile("from step1_simple import ops\nx = ops.axpb(1)", kernel="axpb") is None
     out = capsys.readouterr().out.strip()
     assert len(out.splitlines()) == 1 and "TypeError: x: expected a cupy.ndarray" in out, out
