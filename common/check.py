@@ -74,11 +74,26 @@ def is_poisoned(a) -> np.ndarray:
     return a == poison(np.empty(1, a.dtype))[0]
 
 
-def rand(*shape, dtype=np.float32, seed: int | None = None, low: float = -1.0, high: float = 1.0, rng=None):
+def rand(*shape, dtype=np.float32, seed: int | None = None, low: float = -1.0, high: float = 1.0, rng=None,
+         gpu: bool = False):
     """Seeded uniform random NumPy array in [low, high) (never zeros: zeros hide indexing bugs). rng: draw from
-    this numpy Generator instead (several arrays of one test case from one seed)."""
-    rng = np.random.default_rng(seed) if rng is None else rng
-    return rng.uniform(low, high, size=shape).astype(dtype)
+    this numpy Generator instead (several arrays of one test case from one seed).
+
+    gpu=True draws a cupy.ndarray on the GPU, for inputs too large to build on the host: in `dtype` and scaled
+    in place, so 2^28 floats cost 1 GiB. (CuPy's `uniform(..., dtype=float32)` draws and scales in float64 first:
+    temporaries several times the array's size, more than a small GPU has.)"""
+    if not gpu:
+        rng = np.random.default_rng(seed) if rng is None else rng
+        return rng.uniform(low, high, size=shape).astype(dtype)
+    if rng is not None:
+        raise ValueError("rng: a NumPy Generator draws on the CPU; with gpu=True pass seed instead")
+    if np.dtype(dtype) not in (np.float32, np.float64):
+        raise TypeError(f"dtype: expected float32 or float64 with gpu=True, got {np.dtype(dtype)}")
+    import cupy as cp
+    x = cp.random.default_rng(seed).random(shape, dtype=dtype)
+    x *= high - low
+    x += low
+    return x
 
 
 def expect_array(x, name: str, dtype=None, ndim: int | None = None, shape: tuple | None = None,

@@ -67,6 +67,30 @@ def test_rand_is_seeded_and_never_zero_filled():
     assert np.count_nonzero(a) == a.size and not np.array_equal(a, rand(4, 5, seed=8))
 
 
+
+def test_rand_on_the_gpu_rejects_what_it_cannot_draw():
+    with pytest.raises(ValueError, match=r"^rng: "):
+        rand(4, gpu=True, rng=np.random.default_rng(0))
+    with pytest.raises(TypeError, match=r"^dtype: expected float32 or float64"):
+        rand(4, gpu=True, dtype=np.int32)
+
+
+@pytest.mark.gpu
+def test_rand_on_the_gpu_is_seeded_in_range_and_float32_throughout():
+    import cupy as cp
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    n = 1 << 24
+    before = pool.total_bytes()
+    a = rand(n, seed=3, low=0.5, high=1.5, gpu=True)
+    assert pool.total_bytes() - before < 12 * n            # the result (4n) and no float64 temporary (8n) beside it
+    b = rand(n, seed=3, low=0.5, high=1.5, gpu=True)
+    assert isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.shape == (n,)
+    assert bool((a == b).all()) and not bool((a == rand(n, seed=4, low=0.5, high=1.5, gpu=True)).all())
+    lo, hi, mean = float(a.min()), float(a.max()), float(a.mean(dtype=cp.float64))
+    assert 0.5 <= lo < 0.501 and 1.499 < hi <= 1.5 and abs(mean - 1.0) < 1e-3
+
+
 def test_launch_grid():
     assert launch_grid(1, 256) == (1,)
     assert launch_grid(257, 256) == (2,)

@@ -146,7 +146,9 @@ def test_profile_reads_the_bytes_of_a_known_kernel(capsys):
     assert p is not None, out
     assert p.kernel.startswith("course_probe_scale")
     assert p.dram_read_bytes == pytest.approx(4 * n, rel=0.05)            # x read once, from DRAM
-    assert 0.5 * 4 * n <= p.dram_write_bytes <= 1.05 * 4 * n              # y: some may still sit in L2 at the end
+    # y: some may still sit in L2 at the end; the write counter also sees a few MB the kernel did not ask for
+    # (7 MB here on an H200; 01b's sum, which writes one float, shows about 2 MB), so the bound is loose above
+    assert 0.5 * 4 * n <= p.dram_write_bytes <= 4 * n + 16e6
     assert p.fp32_flops == pytest.approx(n, rel=0.01)                     # one FMUL per element
     assert p.duration_ms > 0 and p.dram_gbps > 0 and p.registers > 0 and p.tensor_inst == 0
 

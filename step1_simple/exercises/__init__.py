@@ -94,16 +94,23 @@ def _warp_sum_launch(kern, a):
     k((1,), (BLOCK,), (partial, a["out"], np.int64(blocks)))              # one block -> the answer
 
 
+def _last_block_make(p, rng):
+    return {**_sum_make(p, rng), "out": Out(2)}
+
+
+def _last_block_ref(h):
+    return {"out": np.repeat(_sum_ref(h)["out"], 2)}
+
+
 def _last_block_launch(kern, a):
-    """Two launches with the same tickets and partials, as a training loop would make; the second one's
-    result is the one compared (the first writes to a scratch output)."""
+    """Two launches with the same tickets and partials, as a training loop would make; each writes its own
+    slot of out and both are compared (a fix that only works on one launch fails)."""
     import cupy as cp
     blocks = _blocks(a)
     partials, tickets = cp.empty(blocks, dtype=cp.float32), cp.zeros(1, dtype=cp.uint32)
-    first = cp.full(1, np.nan, dtype=cp.float32)
     k = kern("sum_last_block")
-    for out in (first, a["out"]):
-        k((blocks,), (BLOCK,), (a["x"], partials, tickets, out, np.int64(a["x"].size)))
+    for launch in range(2):
+        k((blocks,), (BLOCK,), (a["x"], partials, tickets, a["out"][launch:launch + 1], np.int64(a["x"].size)))
 
 
 SUM_CASES = (("n=1", {"n": 1}), ("n=2", {"n": 2}), ("n=33", {"n": 33}), ("n=1,000, 3 blocks", {"n": 1000, "grid": 3}),
@@ -169,6 +176,6 @@ EXERCISES = [
     Exercise(
         id="step1/find_bug_last_block", title="find the bug: a one-launch sum whose last block adds the partials",
         teaches="a kernel that keeps state between launches must leave it as it found it",
-        stub=f"{HERE}/find_bug_last_block.cu", kernels=("sum_last_block",), defines={"BLOCK": BLOCK}, make=_sum_make,
-        launch=_last_block_launch, reference=_sum_ref, outputs=("out",), cases=SUM_CASES),
+        stub=f"{HERE}/find_bug_last_block.cu", kernels=("sum_last_block",), defines={"BLOCK": BLOCK},
+        make=_last_block_make, launch=_last_block_launch, reference=_last_block_ref, outputs=("out",), cases=SUM_CASES),
 ]

@@ -9,9 +9,9 @@
 // its lanes (warp_sum, course.cuh), lane 0 of each warp puts its warp's total in red[], warp 0 adds those
 // and leaves the block's total in red[0] for every thread. Twice: once for the mean, once for the variance.
 //
-// Symptom: check("step3/find_bug_sync") passes the rows of C <= 32 and fails the longer ones, first at
-// column 32 or later (never in columns 0-31). Run it twice: the small failing cases may change, even pass:
-// results that change from run to run are the mark of a race.
+// Symptom: check("step3/find_bug_sync") passes the rows of C <= 32 and fails the longer ones, badly from
+// column 32 on (columns 0-31 at most slightly off, through the variance). Run it twice: the small failing
+// cases may change, even pass: results that change from run to run are the mark of a race.
 //
 // Find it with compute-sanitizer's racecheck (GPU; the pip wheel requirements-dev.txt installs, no CUDA
 // toolkit needed: docs/debugging.md, section 2). From the notebook or any Python:
@@ -19,7 +19,7 @@
 // which runs check('step3/find_bug_sync', timing=False) on your copy under the sanitizer.
 // It names the shared-memory address, the two lines of this file that race and the kind of hazard.
 //
-// Hint 1 (where to look): columns 0-31 belong to warp 0, which is always right; the other warps are not.
+// Hint 1 (where to look): columns 0-31 belong to warp 0, whose mean is right; the other warps are not.
 //   What do warps 1-7 read in `return red[0]`, and has warp 0 written its total there yet?
 // Hint 2 (the class of bug): a missing barrier. A value that one warp writes to shared memory and other
 //   warps read needs a __syncthreads() between the write and the reads; nothing orders the warps otherwise.

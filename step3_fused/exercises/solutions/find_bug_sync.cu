@@ -6,8 +6,9 @@
 // thread reading it. Warp 0 still has a shared load and five shuffles to do before it writes; warps 1-7 go
 // straight to `return red[0]` and, on almost every run, read what was there: warp 0's OWN partial sum from
 // the step before. So the threads of warps 1-7 normalised their columns (32 and up) with a wrong mean and
-// variance, while warp 0 (columns 0-31) was right. A race: it depends on how the warps are scheduled, so
-// small cases can pass on one run and fail on the next. racecheck reports it on every run: a hazard on
+// variance, while warp 0 (columns 0-31) had the right mean; its variance sums the other warps' wrongly
+// centred terms, so even its columns can be slightly off. A race: it depends on how the warps are
+// scheduled, so small cases can pass on one run and fail on the next. racecheck reports it on every run: a hazard on
 // red[0] between warp 0's write and the other warps' read, whichever came first.
 // Why it bit: the first version of this helper let every warp reduce red[] itself (as course.cuh's
 // block_sum does, no broadcast needed); the "only warp 0 reduces" edit moved the result into shared
