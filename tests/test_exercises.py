@@ -9,7 +9,7 @@ import pytest
 
 from common import exercises as E
 from common.kernels import ARCHS, ROOT, compile_offline, supported_archs
-from tests.exercise_bugs import BUGS
+from tests.exercise_bugs import BUGS, bugged_copy as _bugged
 
 IDS = list(E.registry())
 BUG_CASES = [(i, b[0]) for i in IDS for b in BUGS.get(i, [])]
@@ -25,15 +25,6 @@ def workdir(tmp_path, monkeypatch):
     """The learner's folder in a temporary place (never the repository's my_exercises/)."""
     monkeypatch.setenv("COURSE_EXERCISES_DIR", str(tmp_path / "mine"))
     return tmp_path / "mine"
-
-
-def _bugged(tmp_path, ex_id: str, bug: str):
-    name, _, old, new = next(b for b in BUGS[ex_id] if b[0] == bug)
-    src = (ROOT / E.exercise(ex_id).solution).read_text()
-    assert src.count(old) == 1, f"{ex_id} bug {name}: the text to replace must occur once in the solution"
-    path = tmp_path / f"{ex_id.replace('/', '__')}__{name}.cu"
-    path.write_text(src.replace(old, new))
-    return path
 
 
 # ------------------------------------------------------------------------------------------- registry

@@ -84,3 +84,16 @@ from tests.exercise_bugs.x2 import BUGS as _X2   # noqa: E402  (Exercises 2c.1 a
 BUGS.update(_X2)
 from tests.exercise_bugs.step4_train import BUGS as _STEP4_TRAIN   # noqa: E402  (Exercises 4b.1 and 4b.2)
 BUGS.update(_STEP4_TRAIN)
+
+
+def bugged_copy(tmp_path, ex_id: str, bug: str):
+    """A copy of exercise ex_id's solution with the planted bug `bug` applied, in tmp_path: the file that
+    common.exercises.check(ex_id, path=...) must report FAIL on."""
+    from common import exercises as E
+    from common.kernels import ROOT
+    name, _, old, new = next(b for b in BUGS[ex_id] if b[0] == bug)
+    src = (ROOT / E.exercise(ex_id).solution).read_text()
+    assert src.count(old) == 1, f"{ex_id} bug {name}: the text to replace must occur once in the solution"
+    path = tmp_path / f"{ex_id.replace('/', '__')}__{name}.cu"
+    path.write_text(src.replace(old, new))
+    return path

@@ -12,6 +12,7 @@ import pytest
 from common import exercises as E
 from common.kernels import ARCHS, ROOT, compile_offline, supported_archs
 from step4_gpt2.train import exercises as X
+from tests.exercise_bugs import bugged_copy as _bugged
 from tests.exercise_bugs.step4_train import BUGS
 
 IDS = [ex.id for ex in X.EXERCISES]
@@ -27,15 +28,6 @@ def registered(monkeypatch):
     for ex in X.EXERCISES:
         if ex.id not in reg:
             monkeypatch.setitem(reg, ex.id, ex)
-
-
-def _bugged(tmp_path, ex_id: str, bug: str):
-    name, _, old, new = next(b for b in BUGS[ex_id] if b[0] == bug)
-    src = (ROOT / E.exercise(ex_id).solution).read_text()
-    assert src.count(old) == 1, f"{ex_id} bug {name}: the text to replace must occur once in the solution"
-    path = tmp_path / f"{ex_id.replace('/', '__')}__{name}.cu"
-    path.write_text(src.replace(old, new))
-    return path
 
 
 # ------------------------------------------------------------------------------------------- CPU
