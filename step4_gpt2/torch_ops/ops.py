@@ -6,6 +6,7 @@
     h = K.bias_gelu(pre, bias)                                   # gelu_tanh(pre + bias)
     out = K.attention(qkv, n_head)                               # causal, on the fused qkv (B, T, 3C)
     loss = K.cross_entropy(logits, targets)                      # the mean loss; dlogits in the same pass
+    with K.cupy_stream(): ...                                    # CuPy launches on torch's current stream
 
 Every tensor is float32, on the GPU and contiguous (targets: int64 or int32); anything else is a TypeError or
 ValueError that names the argument, raised before any GPU work (the same checks run on FakeTensors, so
@@ -17,7 +18,7 @@ What makes a CuPy kernel a torch operator:
   CuPy works on views of torch's memory (DLPack: no copy). Inside a CUDA graph capture torch's allocator takes
   them from the graph's private pool, which the graph keeps for as long as it lives; memory from CuPy's own pool
   would go back to CuPy after the capture, and the next CuPy array could land where the graph still writes.
-- streams: each kernel goes to torch's current stream (cupy.cuda.ExternalStream), so it is ordered after the
+- streams: each kernel goes to torch's current stream (cupy_stream), so it is ordered after the
   torch work that made its inputs, and a stream capture sees it (a launch on another stream would not be in the
   graph, and would race the torch work around it).
 - registration: custom_op gives each function a schema; register_fake its output shapes, all that torch.compile
@@ -136,6 +137,25 @@ def _torch_memory(device):
     return malloc
 
 
+class _StreamHandle:
+    """The CUDA stream protocol (__cuda_stream__) for a torch stream of a torch that does not speak it yet."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __cuda_stream__(self):
+        return (0, self.stream.cuda_stream)
+
+
+def cupy_stream(stream=None):
+    """CuPy's handle of a torch stream (default: torch's current one), for `with`: the same cudaStream_t, no new
+    stream. cupy.cuda.Stream.from_external reads it through the CUDA stream protocol; it never destroys it.
+    (cupy.cuda.ExternalStream(stream.cuda_stream) does the same, with a DeprecationWarning since CuPy 14.)"""
+    import cupy as cp
+    stream = torch.cuda.current_stream() if stream is None else stream
+    return cp.cuda.Stream.from_external(stream if hasattr(stream, "__cuda_stream__") else _StreamHandle(stream))
+
+
 @contextlib.contextmanager
 def _on_torch_stream(device):
     """Inside: CuPy launches on torch's current stream of `device` and allocates from torch (the docstring says why)."""
@@ -143,8 +163,7 @@ def _on_torch_stream(device):
     require_gpu()
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
-        with cp.cuda.Device(device.index), cp.cuda.ExternalStream(stream.cuda_stream, device.index), \
-                cp.cuda.using_allocator(_torch_memory(device)):
+        with cp.cuda.Device(device.index), cupy_stream(stream), cp.cuda.using_allocator(_torch_memory(device)):
             yield
 
 

@@ -210,6 +210,19 @@ def test_meta_tensors_are_checked_too():
         K.layernorm(_meta(4, 8), _meta(9), _meta(8))
 
 
+def test_cupy_stream_wraps_torchs_stream_handle_without_a_warning():
+    """K.cupy_stream: CuPy's Stream on the same cudaStream_t (no CUDA call to make it), through the CUDA stream
+    protocol where the torch stream speaks it and through a handle otherwise; never the deprecated ExternalStream."""
+    import types
+    import warnings
+    pytest.importorskip("cupy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        old = types.SimpleNamespace(cuda_stream=0x1234)                     # a torch stream without the protocol
+        new = types.SimpleNamespace(cuda_stream=0x5678, __cuda_stream__=lambda: (0, 0x5678))
+        assert K.cupy_stream(old).ptr == 0x1234 and K.cupy_stream(new).ptr == 0x5678
+
+
 # ============================================================================ CPU: the wiring, with reference kernels
 class ReferenceKernels:
     """Lesson 4b's wrappers as the ops call them, computed by the float64 references (common.reference) on
@@ -648,7 +661,7 @@ def test_a_torch_cuda_graph_captures_forward_and_backward(tc):
     graph, capture = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with cp.cuda.using_allocator(refuse), torch.cuda.graph(graph, stream=capture):
         static_out = step()
-    with cp.cuda.ExternalStream(capture.cuda_stream):      # CuPy's pool keeps free blocks per stream: this one's
+    with K.cupy_stream(capture):                # CuPy's pool keeps free blocks per stream: this one's
         junk = [cp.full(n, cp.nan, cp.float32) for n in (1 << 10, 1 << 16, 1 << 20)]
     for seed in (11, 12):
         new_x = cuda(*static_x.shape, seed=seed, scale=0.5)
@@ -690,3 +703,41 @@ def test_errors_on_gpu_tensors_come_before_any_launch(tc, monkeypatch):
         K.layernorm(cuda(8, 4).T, w, w)
     with pytest.raises(ValueError, match=r"^bias: expected shape \(8,\)"):
         K.layernorm(x, w, cuda(9))
+
+
+# ============================================================================ exercise 4d.1: the stub and the solution
+def _exercise_sources():
+    """(stub cell, check cell, solution) of exercise 4d.1: the notebook's cells and docs/torch_ops.md's listing."""
+    import json
+    import re
+    from common.kernels import ROOT
+    cells = ["".join(c["source"]) for c in json.loads(
+        (ROOT / "step4_gpt2" / "torch_ops" / "04d_torch_ops.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
+    stub = next(c for c in cells if '@torch.library.custom_op("mine::bias_add"' in c)
+    check_cell = next(c for c in cells if "def check_bias_add" in c)
+    doc = (ROOT / "docs" / "torch_ops.md").read_text()
+    solution = re.search(r"## Exercise 4d\.1: a solution.*?```python\n(.*?)```", doc, re.S).group(1)
+    return stub, check_cell, solution
+
+
+def test_exercise_sources_are_found_and_compile():
+    for name, src in zip(("stub", "check", "solution"), _exercise_sources()):
+        compile(src, name, "exec")
+
+
+@gpu
+def test_exercise_4d1_check_fails_the_stub_and_passes_the_solution(tc, capsys):
+    """The notebook's check cell, run as the notebook runs it (its `rel` helper, torch from torch_cuda): FAIL on
+    the stub as shipped, PASS on docs/torch_ops.md's solution."""
+    stub, check_cell, solution = _exercise_sources()
+
+    def rel(got, want):
+        return max_rel_error(host(got), host(want))
+    results = {}
+    for name, src in (("stub", stub), ("solution", solution)):
+        ns = {"torch": torch, "rel": rel}
+        exec(compile(src, name, "exec"), ns)
+        exec(compile(check_cell, "check", "exec"), ns)
+        results[name] = (ns["ok"], capsys.readouterr().out)
+    assert results["stub"][0] is False and "FAIL" in results["stub"][1], results["stub"]
+    assert results["solution"][0] is True and "PASS" in results["solution"][1], results["solution"]
