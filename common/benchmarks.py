@@ -209,6 +209,7 @@ SECTIONS = {                     # section key -> heading; a subpackage's family
     "step4_gpt2": "Step 4a: GPT-2 inference",
     "step4_gpt2:train": "Step 4b: training a GPT",
     "step4_gpt2:megakernel": "Step 4c: the decode megakernel",
+    "step4_gpt2:torch_ops": "Step 4d: your kernels in PyTorch",
 }
 
 # What limits each row, per section: (pattern, text), the first pattern that matches the start of a row's name
@@ -358,6 +359,15 @@ NOTES: dict[str, list[tuple[str, str]]] = {
         (r"floor", "The same kernel on a model whose layers are all layer 0, its weights kept in L2: the floor "
                    "of this design's chain (findings: the megakernel's floor)."),
     ],
+    "step4_gpt2:torch_ops": [
+        (r"torch GPT step, course ops, CUDA graph vs", "The course's ops in a step recorded as one CUDA graph, "
+                                                      "against each of PyTorch's ways to run the same model."),
+        (r"torch GPT step, course ops(, torch\.compile)? vs", "Launched one by one, each custom op is a Python "
+                                                              "call: the GPU waits for the host."),
+        (r"torch GPT step, course ops", "The nanoGPT model with the course's fused kernels as torch custom ops; "
+                                        "TF32 GEMMs, the same cuBLAS calls as PyTorch's."),
+        (r"torch GPT step, torch", "Anchor: the same model on PyTorch's own ops, TF32 GEMMs."),
+    ],
 }
 
 # The README's table: (section, row-name pattern, size contains, anchor contains, label); the first matching row
@@ -365,8 +375,6 @@ NOTES: dict[str, list[tuple[str, str]]] = {
 HEADLINES = [
     ("step1_simple", r"axpb v3$", "256M", "", "`y = a*x + b`, `float4` loads"),
     ("step1_simple", r"gelu.*fused", "", "", "`gelu(x*w + b)` fused vs 3 kernels"),
-    ("step1_simple", r"sum v3 tuned", "", "", "sum, one pass"),
-    ("step1_simple", r"axpb v4 \(64M\)", "", "", "GPU vs NumPy (one CPU thread)"),
     ("step2_attention", r"softmax_v4 \(vs torch\)", "", "", "softmax v4 (online)"),
     ("step2_attention", r"matmul_v3$", "", "", "register-tiled matmul"),
     ("step2_attention", r"flash fp32 v3$", "T1024", "torch", "flash attention, fp32"),
@@ -381,9 +389,11 @@ HEADLINES = [
     ("step4_gpt2:train", r"train step, ours \(graph\) vs torch\.compile", "", "", "same, vs `torch.compile`"),
     ("step4_gpt2:megakernel", r"decode b=1 best megakernel: vs graph", "", "", "GPT-2 decode, batch 1, "
                                                                              "megakernel"),
+    ("step4_gpt2:torch_ops", r"torch GPT step, course ops, CUDA graph vs torch eager", "", "", "torch GPT step on "
+                                                                                           "the course's ops, TF32"),
 ]
 STEP_LABELS = {"step1_simple": "1", "step2_attention": "2", "step3_fused": "3", "step4_gpt2": "4",
-               "step4_gpt2:train": "4b", "step4_gpt2:megakernel": "4c"}
+               "step4_gpt2:train": "4b", "step4_gpt2:megakernel": "4c", "step4_gpt2:torch_ops": "4d"}
 README_BEGIN, README_END = "<!-- results -->", "<!-- /results -->"
 MAX_PAGE_LINES = 300
 

@@ -340,6 +340,14 @@ def _run_json() -> dict:
     for v in ("CUDA graph, GPT-2", "megakernel, GPT-2", "CUDA graph, every layer = layer 0",
               "megakernel, every layer = layer 0", "megakernel, every layer = layer 0, kept in L2"):
         add(s, f"floor: {v}", "124M, b=1, ctx 32", anchor="CUDA graph on GPT-2", ratio=1.7)
+    s = "step4_gpt2:torch_ops"
+    for m in ("torch eager", "torch.compile", "torch, CUDA graph", "course ops", "course ops, torch.compile",
+              "course ops, CUDA graph"):
+        add(s, f"torch GPT step, {m} (tok/s)", size, rate=6e5, unit="tok/s")
+    for ours, anchor in (("course ops, CUDA graph", "torch eager"), ("course ops, CUDA graph", "torch.compile"),
+                         ("course ops, CUDA graph", "torch, CUDA graph"), ("course ops", "torch eager"),
+                         ("course ops, torch.compile", "torch.compile")):
+        add(s, f"torch GPT step, {ours} vs {anchor}", size, rate=6e5, unit="tok/s", anchor=anchor, ratio=1.3)
     device = {"name": "NVIDIA Test GPU 9000", "sm": 90, "multiprocessors": 132, "l2_bytes": 50 * 2 ** 20,
               "cupy_version": "14.2.0"}
     return {"device": device, "date": "2031-02-03", "copy_bandwidth_gbps": 3008.5, "rows": rows, "failed": []}

@@ -247,4 +247,6 @@ def test_the_benchmark_times_every_mode():
     assert [n for n in names if n.endswith("(tok/s)")] == [f"torch GPT step, {m[0]} (tok/s)" for m in BM.MODES
                                                             if not m[2]]
     assert "torch GPT step, course ops vs torch eager" in names
+    assert "torch GPT step, course ops, CUDA graph vs torch eager" in names
+    assert not torch.backends.cuda.matmul.allow_tf32, "TF32 is switched back off after the benchmark"
     assert all(r.ms > 0 and math.isfinite(r.ms) for r in rows)
