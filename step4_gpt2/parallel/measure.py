@@ -1,0 +1,76 @@
+"""Step 4e's measurements, one process per GPU (launch.spawn): the all-reduce over message sizes, data
+parallelism and ZeRO-1 (tensor parallelism's: tensor_parallel.measure_tensor_parallel). Each `*_worker` is one
+rank's part; each `measure_*` starts the ranks and returns what the notebook prints and plots. world = 1 runs in
+this process (LocalComm: no NCCL, no spawn), so a one-GPU machine measures its anchor the same way.
+
+    ar = measure_all_reduce(2)                                 # {'nbytes': [...], 'seconds': [...]}, rank 0's
+    dp = measure_data_parallel(cfg, B=64, T=256, world=2, zero1=True)   # B rows per GPU: {'tokens_s', ...}
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from step4_gpt2.parallel.tensor_parallel import random_batch, rank_comm, spawn_ranks, time_cuda
+from step4_gpt2.weights import GPTConfig
+
+ALL_REDUCE_SIZES = tuple(4**k for k in range(8, 15))       # floats: 256 (1 KB) .. 268M (1 GiB)
+
+
+# ============================================================================ one rank's part
+def all_reduce_worker(rank, world, unique_id, sizes, repeat=20):
+    """[(nbytes, median seconds)] of an all-reduce (sum) of each size in floats, its result checked first (a
+    vector of ones sums to world)."""
+    import cupy as cp
+    comm = rank_comm(rank, world, unique_id)
+    try:
+        out = []
+        for n in sizes:
+            x = cp.ones(int(n), cp.float32)
+            comm.all_reduce(x, out=x)
+            comm.wait(what="all_reduce check")
+            if not bool((x == world).all()):
+                raise RuntimeError(f"rank {rank}: all_reduce of {n} floats gave a wrong sum")
+            wait = lambda: comm.wait(what="timed all_reduce")  # noqa: E731
+            out.append((4 * int(n), time_cuda(lambda x=x: comm.all_reduce(x, out=x), repeat, wait)))
+            del x
+        return out
+    finally:
+        comm.close()
+
+
+def data_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int, zero1: bool, repeat: int = 10):
+    """{tokens_s, step_s, optimizer_bytes} of DataParallelTrainer steps with B rows per GPU (a global batch of
+    B * world rows), 4b's model at GPT-2's initialisation."""
+    from step4_gpt2.parallel.data_parallel import DataParallelTrainer
+    from step4_gpt2.train.model import TrainGPT
+    from step4_gpt2.train.train import TrainConfig
+    cfg = GPTConfig(**config)
+    comm = rank_comm(rank, world, unique_id)
+    try:
+        trainer = DataParallelTrainer(TrainGPT(cfg, seed=0), TrainConfig(batch_size=B * world), comm, zero1=zero1)
+        idx, targets = random_batch(cfg, B * world, T, seed=1)                 # the same global batch on every rank
+        wait = lambda: comm.wait(what="timed data-parallel step")  # noqa: E731
+        step = time_cuda(lambda: trainer.step(idx, targets, check=False), repeat, wait)
+        return {"tokens_s": B * world * T / step, "step_s": step, "optimizer_bytes": trainer.optimizer_bytes}
+    finally:
+        comm.close()
+
+
+# ============================================================================ all the ranks
+def measure_all_reduce(world: int, sizes=ALL_REDUCE_SIZES, timeout_s: float = 300) -> dict:
+    """{'nbytes': [...], 'seconds': [...]} of an all-reduce on `world` >= 2 GPUs (rank 0's medians)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(f"world: an all-reduce is measured on 2 or more GPUs, got {world!r}")
+    rows = spawn_ranks(all_reduce_worker, world, [int(s) for s in sizes], timeout_s=timeout_s)[0]
+    return {"nbytes": [r[0] for r in rows], "seconds": [r[1] for r in rows]}
+
+
+def measure_data_parallel(cfg: GPTConfig, B: int, T: int, world: int, zero1: bool = False,
+                          timeout_s: float = 300) -> dict:
+    """{tokens_s, step_s, optimizer_bytes} of data parallelism (ZeRO-1 with zero1) on `world` GPUs, B rows per
+    GPU: the slowest rank's step and tokens/s, rank 0's optimizer bytes."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world: expected a positive number of GPUs, got {world!r}")
+    rows = spawn_ranks(data_parallel_worker, world, asdict(cfg), B, T, bool(zero1), timeout_s=timeout_s)
+    return {"tokens_s": min(r["tokens_s"] for r in rows), "step_s": max(r["step_s"] for r in rows),
+            "optimizer_bytes": rows[0]["optimizer_bytes"]}
