@@ -128,7 +128,7 @@ def train_rank(rank: int, world: int, unique_id, opts: dict) -> dict:
     from step4_gpt2.parallel.comm import Comm, LocalComm
     from step4_gpt2.parallel.data_parallel import DataParallelTrainer
     from step4_gpt2.train.train import Data, TrainConfig, TrainGPT
-    comm = LocalComm(opts["timeout_s"]) if world == 1 else Comm(rank, world, unique_id, timeout_s=opts["timeout_s"])
+    comm = LocalComm(opts["timeout_s"], gpu=True) if world == 1 else Comm(rank, world, unique_id, timeout_s=opts["timeout_s"])
     try:
         data = Data.shakespeare("char" if opts["model"] == "shakespeare_char" else "gpt2")
         cfg = model_config(opts["model"], data.vocab_size, opts["seq"])

@@ -332,9 +332,11 @@ class LocalComm(_Collectives):
     """world = 1: every collective is a copy (sum or mean over one rank), enqueued on `stream` for CuPy arrays,
     so a trainer written for N ranks runs unchanged on one GPU (or on NumPy arrays)."""
 
-    def __init__(self, timeout_s: float = 60):
+    def __init__(self, timeout_s: float = 60, gpu: bool = False):
+        """gpu: wait() polls the current CUDA stream even before a collective has seen a CuPy array (a rank
+        that times its steps with CUDA events and makes no collective at world = 1)."""
         self.rank, self.world, self.timeout_s = 0, 1, _check_timeout(timeout_s)
-        self._gpu = False                # a CuPy array seen: wait() then has a stream to poll
+        self._gpu = gpu                  # a CuPy array seen (or gpu=True): wait() then has a stream to poll
 
     def _copy(self, dst, src, stream):
         if isinstance(dst, np.ndarray):

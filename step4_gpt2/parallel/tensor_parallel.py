@@ -469,7 +469,7 @@ def fit_all_reduce(nbytes, seconds, world: int) -> tuple[float, float]:
 def rank_comm(rank: int, world: int, unique_id):
     """Comm on this rank's GPU, or LocalComm for one rank (no NCCL needed)."""
     from step4_gpt2.parallel.comm import Comm, LocalComm
-    return LocalComm() if world == 1 else Comm(rank, world, unique_id)
+    return LocalComm(gpu=True) if world == 1 else Comm(rank, world, unique_id)
 
 
 def time_cuda(fn, repeat: int, wait) -> float:
