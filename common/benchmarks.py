@@ -87,11 +87,16 @@ class Row:
             row.check(*target)
         return row
 
-    def check(self, what: str, reference: float) -> "Row":
-        """Record a reference value for `fraction` or `ratio` (JSON only; the table shows measured values)."""
-        if what not in ("fraction", "ratio"):
-            raise ValueError(f"what: expected 'fraction' or 'ratio', got {what!r}")
-        self.target = f"{what} >= {reference:g}"
+    def check(self, what: str, reference: float | None, at_most: float | None = None) -> "Row":
+        """Record a reference value for `fraction`, `ratio` or `rate` (JSON only; the table shows measured values):
+        `what >= reference`; with at_most also `what <= at_most` (reference None: that upper bound alone)."""
+        if what not in ("fraction", "ratio", "rate"):
+            raise ValueError(f"what: expected 'fraction', 'ratio' or 'rate', got {what!r}")
+        if reference is None and at_most is None:
+            raise ValueError("reference, at_most: expected at least one bound, got neither")
+        bounds = ([f"{what} >= {reference:g}"] if reference is not None else []) + \
+                 ([f"{what} <= {at_most:g}"] if at_most is not None else [])
+        self.target = " and ".join(bounds)
         return self
 
     def record(self) -> dict:
@@ -210,6 +215,7 @@ SECTIONS = {                     # section key -> heading; a subpackage's family
     "step4_gpt2:train": "Step 4b: training a GPT",
     "step4_gpt2:megakernel": "Step 4c: the decode megakernel",
     "step4_gpt2:torch_ops": "Step 4d: your kernels in PyTorch",
+    "step4_gpt2:parallel": "Step 4e: training on several GPUs",
 }
 
 # What limits each row, per section: (pattern, text), the first pattern that matches the start of a row's name
@@ -368,6 +374,30 @@ NOTES: dict[str, list[tuple[str, str]]] = {
                                         "TF32 GEMMs, the same cuBLAS calls as PyTorch's."),
         (r"torch GPT step, torch", "Anchor: the same model on PyTorch's own ops, TF32 GEMMs."),
     ],
+    "step4_gpt2:parallel": [
+        (r"all-reduce fit", "The line fitted through every message size: its intercept (the time column) is the "
+                            "latency, its slope the bus bandwidth; the tensor-parallel rows predict from them."),
+        (r"all-reduce", "NCCL's ring over the GPUs' links: a large message runs at the bus bandwidth (each rank "
+                        "sends and receives 2 (N-1)/N of it), a small one costs the fixed latency of a collective."),
+        (r"data parallel 1 GPU", "Anchor: the same trainer on one GPU with the same per-GPU batch, no "
+                                 "communication."),
+        (r"ZeRO-1 AdamW state", "AdamW's moments per GPU, measured: each rank keeps the state of its shard of the "
+                                "parameters only."),
+        (r"data parallel|ZeRO-1", "Tokens/s on N GPUs against one GPU with the same per-GPU batch. The fraction is "
+                                  "the part of the step not hidden behind compute, (t_N - t_1) / t_N: gradient "
+                                  "buckets reduced on a second stream while the backward runs hide the rest. "
+                                  "ZeRO-1 moves the same bytes (reduce-scatter, then all-gather)."),
+        (r"loss over", "Data parallel against one GPU with the same global batch, step by step; the rate is the "
+                       "largest relative difference of the loss in parts per million. Each rank averages its rows, "
+                       "NCCL sums the ranks' means in its algorithm's order (ring or tree) and divides by N; one GPU sums every "
+                       "row inside its GEMMs: the two agree to float32 rounding."),
+        (r"tensor parallel all-reduces", "Four all-reduces per layer of a (B T, C) activation, timed with CUDA "
+                                         "events, against the napkin prediction from the all-reduce fit: none "
+                                         "of it hides behind compute."),
+        (r"tensor parallel step", "One forward and backward with each layer split over the GPUs (Megatron), "
+                                  "against the unsplit model on one GPU with the same batch; the fraction is "
+                                  "the time in all-reduces, on the critical path."),
+    ],
 }
 
 # The README's table: (section, row-name pattern, size contains, anchor contains, label); the first matching row
@@ -386,14 +416,14 @@ HEADLINES = [
     ("step4_gpt2", r"prefill .*ours", "", "", "GPT-2 prefill"),
     ("step4_gpt2:train", r"train step, ours \(graph\) vs torch eager", "", "", "GPT training step, fp32, "
                                                                               "one CUDA graph"),
-    ("step4_gpt2:train", r"train step, ours \(graph\) vs torch\.compile", "", "", "same, vs `torch.compile`"),
     ("step4_gpt2:megakernel", r"decode b=1 best megakernel: vs graph", "", "", "GPT-2 decode, batch 1, "
                                                                              "megakernel"),
     ("step4_gpt2:torch_ops", r"torch GPT step, course ops, CUDA graph vs torch eager", "", "", "torch GPT step on "
                                                                                            "the course's ops, TF32"),
 ]
 STEP_LABELS = {"step1_simple": "1", "step2_attention": "2", "step3_fused": "3", "step4_gpt2": "4",
-               "step4_gpt2:train": "4b", "step4_gpt2:megakernel": "4c", "step4_gpt2:torch_ops": "4d"}
+               "step4_gpt2:train": "4b", "step4_gpt2:megakernel": "4c", "step4_gpt2:torch_ops": "4d",
+               "step4_gpt2:parallel": "4e"}
 README_BEGIN, README_END = "<!-- results -->", "<!-- /results -->"
 MAX_PAGE_LINES = 300
 

@@ -348,6 +348,28 @@ def _run_json() -> dict:
                          ("course ops, CUDA graph", "torch, CUDA graph"), ("course ops", "torch eager"),
                          ("course ops, torch.compile", "torch.compile")):
         add(s, f"torch GPT step, {ours} vs {anchor}", size, rate=6e5, unit="tok/s", anchor=anchor, ratio=1.3)
+    s = "step4_gpt2:parallel"
+    for w in (2, 4):
+        add(s, f"all-reduce {w} GPUs", "1 GiB", 6.5, 330.0, "GB/s")
+        add(s, f"all-reduce {w} GPUs", "1 KiB", 0.02)
+        add(s, f"all-reduce fit {w} GPUs", "1 KiB .. 1 GiB", 0.02, 330.0, "GB/s")
+    for size in ("6L C384 B64/GPU T256", "12L C768 B4/GPU T1024"):
+        add(s, "data parallel 1 GPU", size, 40.0, 4e5, "tok/s")
+        for w in (2, 4):
+            for v in ("data parallel", "ZeRO-1"):
+                add(s, f"{v} {w} GPUs", size, 42.0, 7.6e5, "tok/s", "of the step exposed", 0.05, "1 GPU", 1.9,
+                    "ratio >= 1.9")
+            add(s, f"ZeRO-1 AdamW state per GPU, {w} GPUs", size, 42.0, 475.0, "MiB", "of one GPU's", 1 / w,
+                target=f"fraction <= {1.01 / w:g}")
+    for w in (2, 4):
+        add(s, f"loss over 20 steps, {w} GPUs vs 1 GPU", "shakespeare_char B64 T256", 12.0, 1.2, "ppm",
+            target="rate <= 10")
+    for size, worlds in (("6L C384 B64 T256", (2,)), ("12L C768 B8 T1024", (2, 4))):
+        add(s, "tensor parallel step 1 GPU", size, 40.0, 4e5, "tok/s")
+        for w in worlds:
+            add(s, f"tensor parallel all-reduces {w} GPUs", size, 3.0, anchor="napkin prediction", ratio=0.9,
+                target="ratio >= 0.8 and ratio <= 1.33333")
+            add(s, f"tensor parallel step {w} GPUs", size, 30.0, 5e5, "tok/s", "in all-reduces", 0.1, "1 GPU", 1.3)
     device = {"name": "NVIDIA Test GPU 9000", "sm": 90, "multiprocessors": 132, "l2_bytes": 50 * 2 ** 20,
               "cupy_version": "14.2.0"}
     return {"device": device, "date": "2031-02-03", "copy_bandwidth_gbps": 3008.5, "rows": rows, "failed": []}

@@ -41,6 +41,7 @@ def test_pins_keep_one_cuda_major():
     for piece in ("nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12", "nvidia-cublas-cu12"):
         assert req.get(piece) == "==12.*", piece
     assert "nvidia-curand-cu12" in req
+    assert req.get("nvidia-nccl-cu12", "").startswith(">=2.18"), "lesson 4e: the NCCL wheel CuPy's CUDA 12 build loads"
     assert "cuda-bindings" not in req, "compile_offline uses CuPy's NVRTC; cuda-bindings would pin a CUDA major"
     assert "ipywidgets" in req, "tqdm's notebook progress bar needs ipywidgets"
     dev = _requirements("requirements-dev.txt")

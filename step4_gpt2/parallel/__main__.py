@@ -51,6 +51,10 @@ def parser() -> argparse.ArgumentParser:
                    help="tensor parallel (Megatron): time one forward + backward and its all-reduces instead")
     p.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per step and rank")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="size of a gradient bucket reduced at once")
+    p.add_argument("--graph", action="store_true",
+                   help="replay each step, collectives included, as one CUDA graph (off by default: NCCL aborts a "
+                        "communicator only once the graphs that recorded its collectives are gone, so a rank whose "
+                        "peer failed mid-step could wait in the abort instead of exiting with the error)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="a rank that has not finished (or a collective that has not) after this long ends the run")
@@ -85,9 +89,9 @@ def check_args(args, gpus_here: int | None = None, world: int | None = None) -> 
             raise ValueError(f"--{name}: expected an integer >= 1, got {v}")
     if not args.bucket_mb > 0 or not args.timeout_s > 0:
         raise ValueError(f"--bucket-mb / --timeout-s: expected numbers > 0, got {args.bucket_mb} / {args.timeout_s}")
-    if args.tp and (args.zero1 or args.accumulate > 1):
+    if args.tp and (args.zero1 or args.accumulate > 1 or getattr(args, "graph", False)):
         raise ValueError("--tp: tensor parallelism here times one step of the model split over the GPUs; "
-                         "--zero1 and --accumulate belong to data parallelism")
+                         "--zero1, --accumulate and --graph belong to data parallelism")
     if world is not None and args.gpus is not None:
         raise ValueError(f"--gpus: under a launcher (RANK, WORLD_SIZE set) it starts the processes, "
                          f"WORLD_SIZE={world}; leave --gpus out")
@@ -129,12 +133,14 @@ def train_rank(rank: int, world: int, unique_id, opts: dict) -> dict:
     from step4_gpt2.parallel.data_parallel import DataParallelTrainer
     from step4_gpt2.train.train import Data, TrainConfig, TrainGPT
     comm = LocalComm(opts["timeout_s"], gpu=True) if world == 1 else Comm(rank, world, unique_id, timeout_s=opts["timeout_s"])
+    dp = None
     try:
         data = Data.shakespeare("char" if opts["model"] == "shakespeare_char" else "gpt2")
         cfg = model_config(opts["model"], data.vocab_size, opts["seq"])
         B, T, steps = opts["batch"], cfg.block_size, opts["steps"]
         dp = DataParallelTrainer(TrainGPT(cfg, seed=opts["seed"]), TrainConfig(batch_size=B, seed=opts["seed"]),
-                                 comm, zero1=opts["zero1"], bucket_mb=opts["bucket_mb"], accumulate=opts["accumulate"])
+                                 comm, zero1=opts["zero1"], bucket_mb=opts["bucket_mb"], accumulate=opts["accumulate"],
+                                 graph=opts.get("graph", False))
         losses, t0 = [], None
         for k in range(steps):
             if k == 1:                      # the first step allocates and connects: not timed
@@ -148,6 +154,8 @@ def train_rank(rank: int, world: int, unique_id, opts: dict) -> dict:
         return {"rank": rank, "losses": [float(v) for v in losses], "tokens_per_s": B * T * (steps - 1) / seconds,
                 "optimizer_bytes": int(dp.optimizer_bytes)}
     finally:
+        if dp is not None:
+            dp.close()                      # its graph first: NCCL waits for it before destroying the communicator
         comm.close()
 
 
@@ -186,7 +194,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     opts = {k: getattr(args, k) for k in ("model", "batch", "seq", "steps", "zero1", "accumulate", "bucket_mb",
-                                          "seed", "timeout_s")}
+                                          "graph", "seed", "timeout_s")}
     try:
         if args.tp:
             return _tensor_parallel(args, opts, world, launcher)

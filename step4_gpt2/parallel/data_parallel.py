@@ -25,6 +25,15 @@ each bucket is reduce-scattered instead (rank r receives the mean gradient of th
 runs on those slices of flat only (its m and v: 1/world of one GPU's), and an all-gather of each bucket hands every
 rank the updated weights. reduce-scatter + all-gather move the same bytes as one all-reduce: no extra traffic.
 The gradient norm for clipping is then one more all-reduce, of this rank's sum of squares (a single float).
+
+graph=True records the whole step as one CUDA graph, as 4b's Trainer does, the collectives included: NCCL enqueues
+a collective on a stream like a kernel, so a capture records it as a node of the graph. The reduction stream joins
+the capture through events (it waits on an event of the captured stream, and the captured stream waits on it
+before the update), so the buckets' collectives are recorded beside the backward's kernels. Every rank records the
+same collectives in the same order (the same buckets, the same access order) and replays them together, one graph
+launch per step. Inside the capture nothing waits on the host: the bounded wait (comm.wait) comes after each
+replay, as after an eager step. NCCL keeps a communicator alive while a graph that recorded its collectives
+exists (its destroy and abort wait for those graphs): close() the trainer before closing its communicator.
 """
 from __future__ import annotations
 
@@ -32,12 +41,12 @@ import contextlib
 import hashlib
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, astuple
 from pathlib import Path
 
 import numpy as np
 
-from step4_gpt2.train.train import OPTIMIZER_FILE, STATE_FILE, CheckpointError, Trainer, TrainConfig
+from step4_gpt2.train.train import OPTIMIZER_FILE, STATE_FILE, CheckpointError, Trainer, TrainConfig, _StepGraph
 
 SHARD_FILE = "optimizer.rank{rank:03d}-of-{world:03d}.safetensors"   # ZeRO-1: each rank's m and v
 DP_KEY = "data_parallel"                                              # its entry in trainer_state.json
@@ -213,22 +222,28 @@ class DataParallelTrainer(Trainer):
 
     zero1: AdamW's state sharded over the ranks (module docstring); bucket_mb: the bucket size in MB of gflat;
     accumulate: micro-batches per step and rank (gradient accumulation; reduced once, after the last).
-    The step runs without a CUDA graph (graph=False); every step ends with comm.wait, a bounded wait, so a rank
-    that dies or hangs ends every other rank's step with a CommError instead of a hang."""
+    graph: the whole step, collectives included, as one CUDA graph (module docstring), recorded at the first step
+    and replayed after; the same kernels, collectives and results as graph=False. Every step ends with comm.wait,
+    a bounded wait, so a rank that dies or hangs ends every other rank's step with a CommError instead of a hang."""
 
     def __init__(self, model, config: TrainConfig | None = None, comm=None, zero1: bool = False,
-                 bucket_mb: float = 25, accumulate: int = 1):
+                 bucket_mb: float = 25, accumulate: int = 1, graph: bool = False):
         if comm is None:
             raise ValueError("comm: a communicator is needed (Comm, LocalComm, or a CPU one for tests)")
         config = config or TrainConfig()
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb: expected a size in MB > 0, got {bucket_mb!r}")
+        self._gpu = not isinstance(model.flat, np.ndarray)
+        if graph and not self._gpu:
+            raise ValueError("graph: a CUDA graph records GPU work; this model's arrays are NumPy (use graph=False)")
+        if graph and getattr(model, "attention_version", None) == 1:
+            raise ValueError("graph: attention_version must be 2 or 3 (version 1's batched GEMMs go through "
+                             "cupy.matmul, which CuPy refuses inside a graph capture)")
         self.comm, self.rank, self.world = comm, int(comm.rank), int(comm.world)
         self.zero1, self.accumulate = bool(zero1), int(accumulate)
         self.micro_batch = local_batch(config.batch_size, self.world, accumulate)
-        self.model, self.config, self.graph = model, config, False
+        self.model, self.config, self.graph = model, config, bool(graph)
         self._check_same_config()
-        self._gpu = not isinstance(model.flat, np.ndarray)
         self.ranges = tensor_ranges(model.shapes)
         self.buckets = plan_buckets(model.shapes, self.world, max(1, int(bucket_mb * 2**20) // 4))
         self.tracker = ReadyTracker(self.buckets, self.ranges, model.config.n_layer)
@@ -269,8 +284,9 @@ class DataParallelTrainer(Trainer):
 
     def _check_same_config(self):
         """All-gather a digest of everything the ranks must agree on; ConfigMismatchError on every rank if not."""
+        # graph too: capturing may register buffers with the peers (NCCL), which every rank must then do
         mine = config_digest(asdict(self.config), self.model.config.to_hf(), self.zero1, self.accumulate,
-                             self.world, int(self.model.flat.size))
+                             self.world, int(self.model.flat.size), self.graph)
         xp = np if isinstance(self.model.flat, np.ndarray) else __import__("cupy")
         x, out = xp.asarray(mine), xp.zeros(3 * self.world, np.float32)
         self.comm.all_gather(x, out)
@@ -279,7 +295,8 @@ class DataParallelTrainer(Trainer):
         odd = [r for r in range(self.world) if not np.array_equal(got[r], got[0])]
         if odd:
             raise ConfigMismatchError(f"config: ranks {odd} were started with another configuration than rank 0 "
-                                      f"(TrainConfig, GPTConfig, zero1, accumulate or the world size differ)")
+                                      f"(TrainConfig, GPTConfig, zero1, accumulate, graph or the world size "
+                                      f"differ)")
 
     def _make_optimizer(self):
         """4b's AdamW (step 3's one-launch kernel) on this rank's parameters: all of them, or its ZeRO-1 pieces."""
@@ -321,11 +338,38 @@ class DataParallelTrainer(Trainer):
             self._sync_counters()
             self._gpu_counters = None
         self.opt.lr = self.config.lr_at(self.step_count)
-        self._loss = self._step_body(idx, targets)
+        new_graph = None
+        if not self.graph:
+            self._loss = self._step_body(idx, targets)
+        else:
+            key = self._graph_key(idx, targets)
+            if self._step_graph is not None and self._step_graph.key == key:
+                self._loss = self._step_graph.replay(idx, targets)
+                self._last_norm = self._step_graph.norm
+                self.opt.t += 1
+            else:
+                self._step_graph = None                    # its buffers go back to the pool first
+                new_graph = _DataParallelGraph(self, idx, targets, key)    # runs this step without a graph
+                self._loss = new_graph.first_loss
         self.step_count += 1
         if self._gpu:
             self._gpu_counters = (self.step_count, self.opt.t)
         self.comm.wait(what=f"step {self.step_count}")
+        if new_graph is not None:      # after the wait: a peer lost in this step is a CommError, not a capture
+            new_graph.capture(self)    # records the next steps; every rank does it at the same step
+            self._step_graph = new_graph
+
+    def _graph_key(self, idx, targets) -> tuple:
+        """Everything the step's graph bakes in: shapes, code paths, precision, hyper-parameters, its objects."""
+        from common.cublas import tf32_enabled
+        m, o = self.model, self.opt
+        return (tuple(idx.shape), tuple(targets.shape), m.attention_version, m.embedding_version, tf32_enabled(),
+                astuple(self.config), o.betas, o.eps, o.wd, tuple(o.decayed), id(m), id(o), id(self.comm))
+
+    def close(self):
+        """Drop the step's CUDA graph. Call it before comm.close() (or abort): NCCL destroys a communicator only
+        once every graph that recorded its collectives is gone, and waits for them until then."""
+        self._step_graph = None
 
     def _step_body(self, idx, targets):
         xp, m, b, A = self._xp, self.model, self.micro_batch, self.accumulate
@@ -363,16 +407,17 @@ class DataParallelTrainer(Trainer):
         if not self._gpu:
             return contextlib.nullcontext()
         import cupy as cp
-        self._comm_stream.wait_event(cp.cuda.get_current_stream().record())
+        event = lambda: cp.cuda.Event(disable_timing=True)  # noqa: E731  (in a capture: where the streams join)
+        self._comm_stream.wait_event(cp.cuda.get_current_stream().record(event()))
         side = self.model._weight_grad_stream()
         if side is not None:
-            self._comm_stream.wait_event(side.record())
+            self._comm_stream.wait_event(side.record(event()))
         return self._comm_stream
 
     def _join(self):
         if self._gpu:
             import cupy as cp
-            cp.cuda.get_current_stream().wait_event(self._comm_stream.record())
+            cp.cuda.get_current_stream().wait_event(self._comm_stream.record(cp.cuda.Event(disable_timing=True)))
 
     def _reduce(self, i):
         lo, hi = self.buckets[i]
@@ -479,6 +524,29 @@ class DataParallelTrainer(Trainer):
             self.opt.v[p][...] = xp.asarray(v[lo:lo + a.size].reshape(a.shape))
         self.step_count, self.opt.t = int(state["step"]), int(state["adam_t"])
         return self
+
+
+class _DataParallelGraph(_StepGraph):
+    """4b's step graph (train.py's _StepGraph: its own memory pool, the first step run without a graph, then the
+    capture) for the data-parallel step: the model's activations of one micro-batch, AdamW's table of this rank's
+    gradients (ZeRO-1: its pieces), the collectives recorded with the kernels. The reduction stream and the
+    accumulation buffer are made before the capture and live as long as the trainer."""
+
+    def __init__(self, trainer: DataParallelTrainer, idx, targets, key):
+        import cupy as cp
+        self.key = key
+        self.acts = trainer.model._activations(trainer.micro_batch, idx.shape[1])   # the addresses it writes
+        trainer.opt.prepare(trainer._opt_grads)           # AdamW's pointer table, in the optimiser's memory
+        self.idx, self.targets = idx.copy(), targets.copy()
+        if trainer._graph_memory is None:
+            trainer._graph_memory = (cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
+        self.stream, self.pool = trainer._graph_memory
+        caller = cp.cuda.get_current_stream()
+        self.stream.wait_event(caller.record())
+        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
+            loss = trainer._step_body(self.idx, self.targets)
+        caller.wait_event(self.stream.record())
+        self.first_loss = loss.copy()                      # in the caller's memory, on the caller's stream
 
 
 def _pad_buffers(model, padded: int):

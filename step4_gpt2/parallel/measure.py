@@ -40,19 +40,23 @@ def all_reduce_worker(rank, world, unique_id, sizes, repeat=20):
 
 def data_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int, zero1: bool, repeat: int = 10):
     """{tokens_s, step_s, optimizer_bytes} of DataParallelTrainer steps with B rows per GPU (a global batch of
-    B * world rows), 4b's model at GPT-2's initialisation."""
+    B * world rows), 4b's model at GPT-2's initialisation, each step one CUDA graph (recorded in the warm-up)."""
     from step4_gpt2.parallel.data_parallel import DataParallelTrainer
     from step4_gpt2.train.model import TrainGPT
     from step4_gpt2.train.train import TrainConfig
     cfg = GPTConfig(**config)
     comm = rank_comm(rank, world, unique_id)
+    trainer = None
     try:
-        trainer = DataParallelTrainer(TrainGPT(cfg, seed=0), TrainConfig(batch_size=B * world), comm, zero1=zero1)
+        trainer = DataParallelTrainer(TrainGPT(cfg, seed=0), TrainConfig(batch_size=B * world), comm, zero1=zero1,
+                                      graph=True)
         idx, targets = random_batch(cfg, B * world, T, seed=1)                 # the same global batch on every rank
         wait = lambda: comm.wait(what="timed data-parallel step")  # noqa: E731
         step = time_cuda(lambda: trainer.step(idx, targets, check=False), repeat, wait)
         return {"tokens_s": B * world * T / step, "step_s": step, "optimizer_bytes": trainer.optimizer_bytes}
     finally:
+        if trainer is not None:
+            trainer.close()          # its graph first: NCCL waits for it before destroying the communicator
         comm.close()
 
 
