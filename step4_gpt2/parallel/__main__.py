@@ -205,12 +205,23 @@ def main(argv=None) -> int:
                 report([result], opts, world)
             return 0
         results = [train_rank(0, 1, None, opts)] if world == 1 else \
-            spawn(train_rank, world, opts, timeout_s=args.timeout_s)
+            spawn(_importable(train_rank), world, opts, timeout_s=args.timeout_s)
     except (LaunchError, CommError, ConfigMismatchError) as e:    # a rank failed: what and where, no traceback
         print(e, file=sys.stderr)
         return 1
     report(results, opts, world)
     return 0
+
+
+def _importable(fn):
+    """fn as the spawned ranks can find it. Run as `python -m step4_gpt2.parallel`, this file is the module
+    `__main__`, which multiprocessing's spawn does not re-import in its children (a package's __main__.py runs
+    its "main only" code unconditionally): a function pickled as `__main__.train_rank` would not be found there.
+    Under its own name, step4_gpt2.parallel.__main__, the module imports like any other."""
+    if fn.__module__ != "__main__":
+        return fn
+    import importlib
+    return getattr(importlib.import_module("step4_gpt2.parallel.__main__"), fn.__name__)
 
 
 def _tensor_parallel(args, opts: dict, world: int, launcher: bool) -> int:
