@@ -33,8 +33,7 @@ LOSS_STEPS = 20
 LOSS_PPM = 10.0                        # largest relative loss difference, parts per million (1e-5)
 TP_WITHIN = 0.25                       # measured tensor-parallel all-reduce time within 25% of the prediction
 COMMAND = "python -m common.benchmarks --only step4_gpt2:parallel"
-# floats: 256 (1 KiB, where the latency shows) .. 268M (1 GiB, where the bandwidth does), a factor of 4 apart
-ALL_REDUCE_SIZES = tuple(4**k for k in range(4, 15))
+ALL_REDUCE_SIZES = measure.ALL_REDUCE_SIZES
 ALL_REDUCE_SMALL = (256, 4096, 65536, 2**20)
 TIMEOUT_S = 300.0                      # each group of ranks: a hang ends the benchmark, not the machine
 

@@ -13,7 +13,8 @@ from dataclasses import asdict
 from step4_gpt2.parallel.tensor_parallel import random_batch, rank_comm, spawn_ranks, time_cuda
 from step4_gpt2.weights import GPTConfig
 
-ALL_REDUCE_SIZES = tuple(4**k for k in range(8, 15))       # floats: 256 (1 KB) .. 268M (1 GiB)
+# floats: 256 (1 KiB, where the latency shows) .. 268M (1 GiB, where the bandwidth does), a factor of 4 apart
+ALL_REDUCE_SIZES = tuple(4**k for k in range(4, 15))
 
 
 # ============================================================================ one rank's part
