@@ -10,7 +10,7 @@ from common.kernels import (load_module, get_kernel, occupancy, allow_dynamic_sm
                             show_source, show_diff, show_excerpt, KernelCompileError, ARCHS)
 from common.graphs import capture_graph, stream_priorities
 from common.check import (assert_close, errors, max_rel_error, poison, rand, expect_array, expect_choice, out_array,
-                          expect_token_ids,
+                          expect_int, expect_token_ids,
                           launch_grid, float4_rows)
 from common.timing import bench, Timing, copy_bandwidth, faster
 from common.profile import profile, Profile
@@ -24,6 +24,6 @@ __all__ = [
     "load_module", "get_kernel", "capture_graph", "stream_priorities", "occupancy", "allow_dynamic_smem",
     "compile_offline", "kernel_source", "show_source", "show_diff", "show_excerpt", "KernelCompileError", "ARCHS",
     "assert_close", "errors", "max_rel_error", "poison", "rand", "expect_array", "expect_choice", "expect_token_ids",
-    "out_array", "launch_grid", "float4_rows",
+    "expect_int", "out_array", "launch_grid", "float4_rows",
     "bench", "Timing", "copy_bandwidth", "faster", "profile", "Profile", "reference",
 ]

@@ -126,6 +126,14 @@ def expect_array(x, name: str, dtype=None, ndim: int | None = None, shape: tuple
     return x
 
 
+def expect_int(value, name: str, minimum: int = 1, expected: str = "a positive integer") -> int:
+    """value as an int when it is an integer (Python or NumPy; a bool is not one) of at least `minimum`, else a
+    ValueError that names the argument: f"{name}: expected {expected}, got {value!r}"."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return int(value)
+
+
 def expect_choice(value, name: str, allowed):
     """Check a choice such as a kernel version or a mode; a ValueError naming the argument otherwise."""
     if value not in allowed:

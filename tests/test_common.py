@@ -1,4 +1,5 @@
 """common/ on the CPU: the comparison helpers must catch what they exist to catch."""
+import re
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +168,18 @@ def test_launch_grid_per_sm_on_this_gpu():
     from common import device_info
     sms = device_info()["multiprocessors"]
     assert launch_grid(10**9, 128, per_sm=8) == (8 * sms,)
+
+
+def test_expect_int_names_the_argument_and_returns_an_int():
+    import numpy as np
+    from common import expect_int
+    assert expect_int(np.int64(3), "n") == 3 and type(expect_int(np.int64(3), "n")) is int
+    assert expect_int(2, "world", minimum=2) == 2
+    for bad in (0, -1, True, 2.0, "3", None):
+        with pytest.raises(ValueError, match=rf"^n: expected a positive integer, got {re.escape(repr(bad))}$"):
+            expect_int(bad, "n")
+    with pytest.raises(ValueError, match=r"^nprocs: expected a number of processes >= 1, got 0$"):
+        expect_int(0, "nprocs", expected="a number of processes >= 1")
 
 
 def test_out_array_checks_a_given_buffer_before_any_gpu_work():
@@ -546,6 +559,18 @@ def test_benchmarks_family_selection():
 def test_benchmarks_without_a_gpu_says_so_without_a_traceback():
     r = _benchmarks("--only", "step1_simple")
     assert r.returncode == 1 and "no NVIDIA driver found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_row_check_records_upper_bounds_and_ranges():
+    from common.benchmarks import Row
+    row = Row("x", "s", 1.0)
+    assert row.check("ratio", 1.9).target == "ratio >= 1.9"
+    assert row.check("rate", None, at_most=10).target == "rate <= 10"
+    assert row.check("ratio", 0.8, at_most=1.25).target == "ratio >= 0.8 and ratio <= 1.25"
+    with pytest.raises(ValueError, match="reference, at_most"):
+        row.check("fraction", None)
+    with pytest.raises(ValueError, match="what"):
+        row.check("ms", 1.0)
 
 
 def test_benchmark_table_prints_measured_values_not_verdicts():

@@ -29,7 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODELS = ("shakespeare_char", "gpt2")
-HEADS = {"shakespeare_char": 6, "gpt2": 12}               # what tensor parallelism splits (whole heads per rank)
 PER_GPU_BATCH = {"shakespeare_char": 16, "gpt2": 4}        # the default batch: this many rows per GPU
 
 
@@ -102,8 +101,9 @@ def check_args(args, gpus_here: int | None = None, world: int | None = None) -> 
         n = n or gpus_here
     if n is None:
         return None
-    if args.tp and HEADS[args.model] % n:
-        raise ValueError(f"--tp on {n} GPUs: {args.model}'s {HEADS[args.model]} heads do not split into {n} equal "
+    heads = model_config(args.model, 65, None).n_head   # what tensor parallelism splits (the vocabulary: any)
+    if args.tp and heads % n:
+        raise ValueError(f"--tp on {n} GPUs: {args.model}'s {heads} heads do not split into {n} equal "
                          f"groups (each rank computes whole heads)")
     if args.batch is not None:
         batch = args.batch

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import expect_int
 from step4_gpt2.train.train import OPTIMIZER_FILE, STATE_FILE, CheckpointError, Trainer, TrainConfig, _StepGraph
 
 SHARD_FILE = "optimizer.rank{rank:03d}-of-{world:03d}.safetensors"   # ZeRO-1: each rank's m and v
@@ -71,8 +72,7 @@ def tensor_ranges(shapes: dict) -> dict:
 def local_batch(batch_size: int, world: int, accumulate: int = 1) -> int:
     """Rows per rank and micro-batch: batch_size / (world * accumulate), a named error if it does not divide."""
     for name, v in (("world", world), ("accumulate", accumulate)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        expect_int(v, name)
     if batch_size % (world * accumulate):
         raise ValueError(f"batch_size: {batch_size} rows do not split into {world} ranks x {accumulate} micro-batches "
                          f"(choose a multiple of {world * accumulate})")

@@ -24,6 +24,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from common import expect_int
 from step4_gpt2.parallel.comm import CpuGroup, _check_timeout, nccl_unique_id
 
 BACKENDS = ("nccl", "cpu")
@@ -80,8 +81,7 @@ def spawn(fn, nprocs: int, *args, timeout_s: float = 600, backend: str = "nccl")
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs: expected a number of processes >= 1, got {nprocs!r}")
+    expect_int(nprocs, "nprocs", expected="a number of processes >= 1")
     timeout_s = _check_timeout(timeout_s)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")

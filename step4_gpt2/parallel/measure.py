@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from common import expect_int
 from step4_gpt2.parallel.tensor_parallel import random_batch, rank_comm, spawn_ranks, time_cuda
 from step4_gpt2.weights import GPTConfig
 
@@ -74,8 +75,7 @@ def measure_data_parallel(cfg: GPTConfig, B: int, T: int, world: int, zero1: boo
                           timeout_s: float = 300) -> dict:
     """{tokens_s, step_s, optimizer_bytes} of data parallelism (ZeRO-1 with zero1) on `world` GPUs, B rows per
     GPU: the slowest rank's step and tokens/s, rank 0's optimizer bytes."""
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world: expected a positive number of GPUs, got {world!r}")
+    expect_int(world, "world", expected="a positive number of GPUs")
     rows = spawn_ranks(data_parallel_worker, world, asdict(cfg), B, T, bool(zero1), timeout_s=timeout_s)
     return {"tokens_s": min(r["tokens_s"] for r in rows), "step_s": max(r["step_s"] for r in rows),
             "optimizer_bytes": rows[0]["optimizer_bytes"]}

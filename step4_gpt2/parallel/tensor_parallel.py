@@ -34,7 +34,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from common import expect_choice, require_gpu
+from common import expect_choice, expect_int, require_gpu
 from common.reference import train_gpt2 as R
 from common.reference.ops import f64
 from step4_gpt2.weights import GPTConfig, expected_shapes
@@ -48,8 +48,7 @@ REDUCE_OPS = ("sum", "avg")
 # ============================================================================ sharding (NumPy, no GPU)
 def check_world(cfg: GPTConfig, world) -> int:
     """world as an int, if it splits the model: n_head heads into equal groups (then 4C splits too)."""
-    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
-        raise ValueError(f"world: expected a positive number of ranks, got {world!r}")
+    expect_int(world, "world", expected="a positive number of ranks")
     if cfg.n_head % world:
         raise ValueError(f"world: {world} ranks do not split n_head={cfg.n_head} heads evenly (tensor parallelism "
                          f"gives each rank whole heads)")
@@ -387,8 +386,7 @@ class _SimulatedComm:
 def simulate(fn, world: int, timeout_s: float = 60.0) -> list:
     """[fn(rank, comm) for each rank], the ranks run in threads of this process and meet at each all-reduce;
     a rank's exception is raised here (the others stop at their next all-reduce instead of waiting)."""
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world: expected a positive number of ranks, got {world!r}")
+    expect_int(world, "world", expected="a positive number of ranks")
     group = {"world": world, "barrier": threading.Barrier(world), "slots": [None] * world, "timeout_s": timeout_s}
     results, errors = [None] * world, [None] * world
 
@@ -429,8 +427,7 @@ def predict_comm_seconds(cfg: GPTConfig, B: int, T: int, world: int, bandwidth_g
     """Tensor parallelism's communication per training step (forward + backward): 4 all-reduces per layer of a
     (B*T, C) float32 activation, none of it hidden behind compute (each is on the critical path)."""
     for name, v in (("B", B), ("T", T)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        expect_int(v, name)
     world = check_world(cfg, world)
     for name, v in (("bandwidth_gbs", bandwidth_gbs), ("latency_us", latency_us)):
         if not (isinstance(v, (int, float)) and math.isfinite(v)) or v < 0 or (name == "bandwidth_gbs" and v == 0):

@@ -17,10 +17,12 @@ graph.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import common
 from common import torch_cuda
+from common.cublas import tf32_matmuls
 from common.benchmarks import Row
 
 B, T, V = 64, 256, 65
@@ -37,33 +39,21 @@ VERSUS = (("course ops, CUDA graph", "torch eager"), ("course ops, CUDA graph", 
 
 
 def step_seconds(course_ops: bool, compile: bool = False, graph: bool = False, steps: int = 20,
-                 vocab_size: int = V, tf32: bool = True) -> float:
+                 tf32: bool = True) -> float:
     """Seconds per training step of the shakespeare_char GPT (model.py) in one mode, on lesson 4b's benchmark
     batches (random ids, lower ids more frequent), copied to the GPU before timing. tf32: the matrix products in
-    TF32 (on sm_80 and later), switched back off afterwards."""
+    TF32 (on sm_80 and later), through common.cublas.tf32_matmuls, as lesson 4b's benchmark does."""
     torch = torch_cuda()
-    try:
-        return _step_seconds(torch, course_ops, compile, graph, steps, vocab_size, tf32)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = False
-
-
-def _step_seconds(torch, course_ops, compile, graph, steps, vocab_size, tf32):
     from step4_gpt2.torch_ops.model import GPT, shakespeare_char
     from step4_gpt2.torch_ops.train import TrainConfig, stepper
     from step4_gpt2.train.benchmarks import loop_wall_s, random_batches
     torch._dynamo.reset()           # a fresh compile for each model: earlier models do not count against its limit
-    model = GPT(shakespeare_char(vocab_size), course_ops=course_ops).cuda()
-    _, step = stepper(model, TrainConfig(batch_size=B), compile=compile, graph=graph)
-    batches = [tuple(torch.as_tensor(a, device="cuda").long() for a in b) for b in random_batches(steps + WARMUP)]
-    count = iter(range(len(batches)))
-
-    def one_step(x, y):
-        # set for every step: loop_wall_s's torch_cuda() switches TF32 off, and the flag is read when a GEMM is
-        # launched, compiled (torch.compile, in a warm-up step) or recorded (the CUDA graph, in a warm-up step)
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        return step(next(count), x, y)
-    seconds = loop_wall_s(one_step, batches, warmup=WARMUP)
+    with tf32_matmuls() if tf32 else contextlib.nullcontext():
+        model = GPT(shakespeare_char(V), course_ops=course_ops).cuda()
+        _, step = stepper(model, TrainConfig(batch_size=B), compile=compile, graph=graph)
+        batches = [tuple(torch.as_tensor(a, device="cuda").long() for a in b) for b in random_batches(steps + WARMUP)]
+        count = iter(range(len(batches)))
+        seconds = loop_wall_s(lambda x, y: step(next(count), x, y), batches, warmup=WARMUP)
     del model, step, batches        # the next mode's model gets the memory (a CUDA graph's pool included)
     gc.collect()
     torch.cuda.empty_cache()

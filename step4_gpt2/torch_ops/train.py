@@ -19,7 +19,8 @@ import functools
 
 import torch
 
-from common.reference.train_gpt2 import is_decayed
+from common import expect_int
+from step4_gpt2.train.torch_gpt import adamw  # noqa: F401  (4b's AdamW groups; capturable for a CUDA graph)
 from step4_gpt2.train.train import Data, TrainConfig  # noqa: F401  (the lesson's names, here too)
 
 WARMUP_STEPS = 3        # eager steps before graph=True records one: AdamW's state and cuBLAS's handles exist by then
@@ -29,19 +30,6 @@ WARMUP_STEPS = 3        # eager steps before graph=True records one: AdamW's sta
 def shakespeare(tokenizer: str = "char") -> Data:
     """Lesson 4b's data (Data.shakespeare), made once per process."""
     return Data.shakespeare(tokenizer)
-
-
-def adamw(model: torch.nn.Module, config: TrainConfig, capturable: bool = False) -> torch.optim.AdamW:
-    """torch.optim.AdamW with 4b's hyper-parameters, weight decay on the matrices and embeddings only.
-    capturable: for a CUDA graph, the learning rate a tensor on the GPU and every step's arithmetic there (its
-    bias corrections in float32 on the GPU rather than in double on the host: the updates differ in rounding)."""
-    device = next(model.parameters()).device
-    decay = [p for n, p in model.named_parameters() if is_decayed(n)]
-    rest = [p for n, p in model.named_parameters() if not is_decayed(n)]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    lr = torch.tensor(config.lr, dtype=torch.float32, device=device) if capturable else config.lr
-    return torch.optim.AdamW(groups, lr=lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                             capturable=capturable)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
@@ -133,8 +121,7 @@ def train(model: torch.nn.Module, steps: int, batch: int = 64, block: int = 256,
     its hyper-parameters with the cosine ending at `steps` and a warm-up of a tenth of them (at most 100).
     compile: the forward pass through torch.compile(model). graph: each step replayed as one CUDA graph."""
     for name, v in (("steps", steps), ("batch", batch), ("block", block)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        expect_int(v, name)
     if block > model.config.block_size:
         raise ValueError(f"block: {block} tokens per sequence, longer than the model's block_size="
                          f"{model.config.block_size}")

@@ -94,13 +94,18 @@ def build(cfg, device="cuda", dtype=None):
     return TorchGPT().to(device=device, dtype=dtype)
 
 
-def adamw(model, config):
-    """torch.optim.AdamW with weight decay on the same tensors as ours (fused=False, foreach: the default)."""
+def adamw(model, config, capturable: bool = False):
+    """torch.optim.AdamW with weight decay on the same tensors as ours (fused=False, foreach: the default).
+    capturable: for a CUDA graph, the learning rate a tensor on the GPU and every step's arithmetic there (its
+    bias corrections in float32 on the GPU rather than in double on the host: the updates differ in rounding)."""
     torch = _torch()
     decay = [p for n, p in model.named_parameters() if is_decayed(n)]
     rest = [p for n, p in model.named_parameters() if not is_decayed(n)]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+    if not capturable:
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+    lr = torch.tensor(config.lr, dtype=torch.float32, device=next(model.parameters()).device)
+    return torch.optim.AdamW(groups, lr=lr, betas=(config.beta1, config.beta2), eps=config.eps, capturable=True)
 
 
 def step(model, opt, config, step_index: int, idx, targets):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.benchmarks import SECTIONS, STEP_LABELS, Row, family_of, note_of, select, valid_names
+from common.benchmarks import SECTIONS, STEP_LABELS, family_of, note_of, select, valid_names
 from step4_gpt2.parallel import benchmarks as PB
 from step4_gpt2.parallel import launch, measure, tensor_parallel as tp
 
@@ -36,17 +36,6 @@ def test_the_family_is_found_and_has_its_section():
     assert (MODULE, None) in [j[1:] for j in select(["step4_gpt2"])]          # --only step4_gpt2 runs it too
     assert family_of(FAMILY, MODULE, None) == FAMILY
     assert FAMILY in SECTIONS and STEP_LABELS[FAMILY] == "4e"
-
-
-def test_row_check_records_upper_bounds_and_ranges():
-    row = Row("x", "s", 1.0)
-    assert row.check("ratio", 1.9).target == "ratio >= 1.9"
-    assert row.check("rate", None, at_most=10).target == "rate <= 10"
-    assert row.check("ratio", 0.8, at_most=1.25).target == "ratio >= 0.8 and ratio <= 1.25"
-    with pytest.raises(ValueError, match="reference, at_most"):
-        row.check("fraction", None)
-    with pytest.raises(ValueError, match="what"):
-        row.check("ms", 1.0)
 
 
 # ============================================================================ run() with stand-ins

@@ -169,12 +169,16 @@ def test_arguments_are_checked():
 
 def test_adamw_decays_the_matrices_and_embeddings_as_lesson_4b():
     model = M.GPT(TINY)
-    opt = TR.adamw(model, TR.TrainConfig())
+    opt = TR.adamw(model, TR.TrainConfig(weight_decay=0.3, beta1=0.8, beta2=0.95, eps=1e-7, lr=2e-3))
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in opt.param_groups[0]["params"]}
-    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
+    assert opt.param_groups[0]["weight_decay"] == 0.3 and opt.param_groups[1]["weight_decay"] == 0.0
     assert decayed == {n for n, p in model.named_parameters() if p.dim() == 2}          # nanoGPT's rule
-    assert opt.defaults["betas"] == (0.9, 0.99) and not opt.defaults["capturable"]      # eager: a float lr
+    assert opt.defaults["betas"] == (0.8, 0.95) and opt.defaults["eps"] == 1e-7          # the config's, not defaults
+    assert opt.defaults["lr"] == 2e-3 and not opt.defaults["capturable"]                 # eager: a float lr
+    graphed = TR.adamw(model, TR.TrainConfig(lr=2e-3), capturable=True)                 # for a CUDA graph:
+    assert graphed.defaults["capturable"] and isinstance(graphed.param_groups[0]["lr"], torch.Tensor)  # lr a tensor
+    assert graphed.param_groups[0]["lr"].item() == pytest.approx(2e-3)
     TR.set_lr(opt, 3e-4)
     assert all(g["lr"] == 3e-4 for g in opt.param_groups)
     with pytest.raises(ValueError, match="^graph: a CUDA graph needs the model on a CUDA device"):
