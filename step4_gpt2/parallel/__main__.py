@@ -51,9 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per step and rank")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="size of a gradient bucket reduced at once")
     p.add_argument("--graph", action="store_true",
-                   help="replay each step, collectives included, as one CUDA graph (off by default: NCCL aborts a "
-                        "communicator only once the graphs that recorded its collectives are gone, so a rank whose "
-                        "peer failed mid-step could wait in the abort instead of exiting with the error)")
+                   help="replay each step, collectives included, as one CUDA graph: one launch per step, the same "
+                        "numbers as eager steps (a failed peer still ends every rank: the graph is released before "
+                        "NCCL's abort, and a rank whose abort does not return exits with status 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="a rank that has not finished (or a collective that has not) after this long ends the run")

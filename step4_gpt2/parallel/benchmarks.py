@@ -5,11 +5,12 @@ this machine's GPUs (up to 4), each multi-GPU number beside one GPU measured the
     size (latency, bus bandwidth) that the tensor-parallel rows predict from;
   - data parallel and ZeRO-1 at the shakespeare_char size (B = 64 per GPU, T = 256) and at GPT-2 124M's size
     (B = 4 per GPU, T = 1024): tokens/s against one GPU with the same per-GPU batch, the part of the step not
-    hidden behind compute, and ZeRO-1's AdamW state per GPU against one GPU's;
+    hidden behind compute, and ZeRO-1's AdamW state per GPU against one GPU's. At the shakespeare_char size the
+    gradient bucket is swept first (BUCKET_SWEEP) and data parallel's row is measured again with the fastest;
   - the loss of 20 data-parallel steps against one GPU with the same global batch (python -m step4_gpt2.parallel's
     train_rank, on Shakespeare);
-  - tensor parallel (Megatron): the measured all-reduce time of a step against the napkin prediction, and the
-    step against the unsplit model on one GPU.
+  - tensor parallel (Megatron): the all-reduces' transfer time of a step against the napkin prediction, the time
+    the ranks waited for the slower one beside it, and the step against the unsplit model on one GPU.
 
     python -m step4_gpt2.parallel.benchmarks     # or: python -m common.benchmarks --only step4_gpt2:parallel
 
@@ -32,9 +33,11 @@ ZERO1_SLACK = 1.01                     # ZeRO-1's AdamW state per GPU <= 1/N of 
 LOSS_STEPS = 20
 LOSS_PPM = 10.0                        # largest relative loss difference, parts per million (1e-5)
 TP_WITHIN = 0.25                       # measured tensor-parallel all-reduce time within 25% of the prediction
+BUCKET_MB = 25.0                       # the gradient bucket of the rows that do not sweep it (the trainer's default)
+BUCKET_SWEEP = (1.0, 4.0, 25.0)        # MB: at the first size only, each world (short: one start of the ranks)
 COMMAND = "python -m common.benchmarks --only step4_gpt2:parallel"
 ALL_REDUCE_SIZES = measure.ALL_REDUCE_SIZES
-ALL_REDUCE_SMALL = (256, 4096, 65536, 2**20)
+ALL_REDUCE_SMALL = (256, 4096, 65536, 2**20, 2**22)   # up to 16 MiB: the line needs sizes where bandwidth rules
 TIMEOUT_S = 300.0                      # each group of ranks: a hang ends the benchmark, not the machine
 
 
@@ -89,20 +92,36 @@ def all_reduce_rows(worlds, small: bool = False) -> tuple[list[Row], dict]:
     return rows, link
 
 
+def _scaling_row(name: str, size: str, m: dict, one: dict) -> Row:
+    """A data-parallel measurement against one GPU: tokens/s, the part of the step not hidden, the speed-up."""
+    return Row(name, size, m["step_s"] * 1e3, m["tokens_s"], "tok/s", ceiling="of the step exposed",
+               fraction=(m["step_s"] - one["step_s"]) / m["step_s"], anchor="1 GPU",
+               ratio=m["tokens_s"] / one["tokens_s"])
+
+
 def data_parallel_rows(worlds, small: bool = False) -> list[Row]:
-    """Data parallel and ZeRO-1 on each world against one GPU with the same per-GPU batch, at each size."""
+    """Data parallel and ZeRO-1 on each world against one GPU with the same per-GPU batch, at each size. At the
+    first size, the bucket sweep's rows first; data parallel's row there then uses the fastest bucket, measured
+    again in a run of its own (the sweep picks it, a fresh run measures it: no best-of-three luck in the row)."""
     rows = []
-    for cfg, B, _, T in sizes(small).values():
+    for k, (cfg, B, _, T) in enumerate(sizes(small).values()):
         size = _model_label(cfg, B, T, per_gpu=True)
         one = measure.measure_data_parallel(cfg, B, T, 1, timeout_s=TIMEOUT_S)
         _free()
         rows.append(Row("data parallel 1 GPU", size, one["step_s"] * 1e3, one["tokens_s"], "tok/s"))
         for world in worlds:
+            bucket, named = BUCKET_MB, ""
+            if k == 0:
+                sweep = measure.measure_buckets(cfg, B, T, world, BUCKET_SWEEP, timeout_s=TIMEOUT_S)
+                for mb, m in sweep.items():
+                    rows.append(_scaling_row(f"data parallel {world} GPUs, {mb:g} MB buckets", size, m, one))
+                bucket = max(sweep, key=lambda mb: sweep[mb]["tokens_s"])
+                named = f", best bucket {bucket:g} MB"
             for label, zero1 in (("data parallel", False), ("ZeRO-1", True)):
-                m = measure.measure_data_parallel(cfg, B, T, world, zero1=zero1, timeout_s=TIMEOUT_S)
-                rows.append(Row(f"{label} {world} GPUs", size, m["step_s"] * 1e3, m["tokens_s"], "tok/s",
-                                ceiling="of the step exposed", fraction=(m["step_s"] - one["step_s"]) / m["step_s"],
-                                anchor="1 GPU", ratio=m["tokens_s"] / one["tokens_s"]).check("ratio", SPEEDUP[world]))
+                m = measure.measure_data_parallel(cfg, B, T, world, zero1=zero1,
+                                                  bucket_mb=BUCKET_MB if zero1 else bucket, timeout_s=TIMEOUT_S)
+                rows.append(_scaling_row(f"{label} {world} GPUs" + ("" if zero1 else named), size, m, one)
+                            .check("ratio", SPEEDUP[world]))
                 if zero1:
                     rows.append(Row(f"ZeRO-1 AdamW state per GPU, {world} GPUs", size, m["step_s"] * 1e3,
                                     m["optimizer_bytes"] / 2**20, "MiB", ceiling="of one GPU's",
@@ -140,8 +159,9 @@ def loss_rows(worlds, small: bool = False) -> list[Row]:
 
 
 def tensor_parallel_rows(worlds, link: dict, small: bool = False) -> list[Row]:
-    """Tensor parallelism on each world that splits the heads: its all-reduce time against the prediction from
-    the measured (bandwidth, latency), and its step against the unsplit model on one GPU."""
+    """Tensor parallelism on each world that splits the heads: its all-reduces' transfer time against the
+    prediction from the measured (bandwidth, latency), the time its ranks waited for the slower one (which the
+    napkin leaves out), and its step against the unsplit model on one GPU."""
     rows = []
     for cfg, _, B, T in sizes(small).values():
         split = [w for w in worlds if cfg.n_head % w == 0]
@@ -156,9 +176,11 @@ def tensor_parallel_rows(worlds, link: dict, small: bool = False) -> list[Row]:
             predicted = tp.predict_comm_seconds(cfg, B, T, world, *link[world])
             # the ratio is predicted / measured (the page's anchor time / this time): within TP_WITHIN of the
             # prediction is measured / predicted in [1 - TP_WITHIN, 1 + TP_WITHIN]
-            rows.append(Row(f"tensor parallel all-reduces {world} GPUs", size, m["comm_s"] * 1e3,
-                            anchor="napkin prediction", ratio=predicted / m["comm_s"])
+            rows.append(Row(f"tensor parallel all-reduces {world} GPUs, transfer", size, m["transfer_s"] * 1e3,
+                            anchor="napkin prediction", ratio=predicted / m["transfer_s"])
                         .check("ratio", 1 / (1 + TP_WITHIN), at_most=1 / (1 - TP_WITHIN)))
+            rows.append(Row(f"tensor parallel all-reduces {world} GPUs, waiting", size, m["wait_s"] * 1e3,
+                            ceiling="of the time in all-reduces", fraction=m["wait_s"] / m["comm_s"]))
             rows.append(Row(f"tensor parallel step {world} GPUs", size, m["step_s"] * 1e3, B * T / m["step_s"],
                             "tok/s", ceiling="in all-reduces", fraction=m["comm_s"] / m["step_s"], anchor="1 GPU",
                             ratio=one["step_s"] / m["step_s"]))

@@ -7,6 +7,7 @@ data and tensor parallelism are made of.
     comm.all_gather(shard, out=flat)             # ... and every rank gets every rank's slice back
     comm.broadcast(flat, root=0)                 # rank 0's weights everywhere
     comm.wait(stream, what="grad all-reduce")    # bounded: a dead or hung peer raises CommError, never a hang
+    comm.on_abort(trainer.close)                 # what holds the communicator lets go before it ends
 
 Three classes with the same methods:
 - `Comm`: NCCL through CuPy (`cupy.cuda.nccl`). A collective is *enqueued* on a CUDA stream like a kernel and
@@ -28,11 +29,13 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 
 OPS = ("sum", "avg")
 EXIT_HUNG = 3            # exit status of a rank whose watchdog fired inside a call that could not be interrupted
+ABORT_S = 30.0           # NCCL's abort, at most (with a short timeout_s too): it ends its kernels, frees its buffers
 
 
 class CommError(RuntimeError):
@@ -107,6 +110,24 @@ class _Collectives:
             raise ValueError(f"root: expected a rank in [0, {self.world}), got {root!r}")
         return int(root)
 
+    def on_abort(self, release):
+        """Call release() once, first thing when this communicator ends (abort or close). NCCL (2.26 and later)
+        ends a communicator only once every CUDA graph that recorded its collectives is destroyed: a trainer that
+        records its step registers the graph's release here. A bound method is held weakly (its object may go)."""
+        if not callable(release):
+            raise TypeError(f"release: expected a callable, got {type(release).__name__}")
+        ref = weakref.WeakMethod(release) if hasattr(release, "__func__") else (lambda: release)
+        self.__dict__.setdefault("_releases", []).append(ref)
+
+    def _release_users(self):
+        """The on_abort functions, latest first. One that raises is reported, not raised: the end must go on."""
+        for ref in reversed(self.__dict__.pop("_releases", [])):
+            try:
+                if (release := ref()) is not None:
+                    release()
+            except Exception as e:
+                print(f"rank {self.rank}: releasing a user of the communicator raised {e!r}", file=sys.stderr)
+
     def __enter__(self):
         return self
 
@@ -144,45 +165,47 @@ def nccl_module():
 
 
 def nccl_unique_id() -> bytes:
-    """A fresh NCCL unique id (bytes): made by one process, handed to every rank of the group. Needs the NCCL
-    library, not a GPU."""
+    """A fresh NCCL unique id (bytes), made by one process for every rank of the group: needs NCCL, not a GPU."""
     return nccl_module().get_unique_id()
 
 
 class _Watchdog:
     """Bounds the calls that block inside NCCL and cannot be polled: creating the communicator (it waits for every
-    rank to join) and enqueuing a collective (NCCL connects to peers lazily, inside the call). A thread checks a
-    deadline; if a call is still inside when it passes, it says what hung on stderr and ends the process (exit
-    status EXIT_HUNG; the driver frees the GPU, the peers' own bounded waits end them). If the blocked call holds
-    Python's lock that thread cannot run: faulthandler's watchdog, which needs no lock, then ends the process a
-    few seconds later and prints every thread's stack."""
+    rank to join), enqueuing a collective (NCCL connects to peers lazily, inside the call), ending it. A thread
+    checks a deadline; if a call is still inside when it passes, it says what hung on stderr and ends the process
+    (exit status EXIT_HUNG; the driver frees the GPU, the peers' own bounded waits end them). If the blocked call
+    holds Python's lock that thread cannot run: faulthandler's watchdog, which needs no lock, then ends the process
+    a few seconds later and prints every thread's stack."""
 
     GRACE_S = 5.0
 
     def __init__(self, rank: int, timeout_s: float):
         self.rank, self.timeout_s = rank, timeout_s
-        self._deadline, self._what, self._stop = None, "", threading.Event()
+        self._deadline, self._what, self._error, self._seconds = None, "", None, timeout_s
+        self._stop = threading.Event()
         threading.Thread(target=self._run, name=f"comm-watchdog-{rank}", daemon=True).start()
 
     def _run(self):
         while not self._stop.wait(0.25):
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
-                print(f"rank {self.rank}: {self._what} did not return after {self.timeout_s:.1f} s (a peer died or "
-                      f"hangs); ending this rank", file=sys.stderr, flush=True)
+                head = f"{self._error}\n" if self._error else ""      # the error that led here, named first
+                print(f"{head}rank {self.rank}: {self._what} did not return after {self._seconds:.1f} s (a peer "
+                      f"died or hangs); ending this rank", file=sys.stderr, flush=True)
                 os._exit(EXIT_HUNG)
 
     @contextlib.contextmanager
-    def guard(self, what: str, backstop: bool = False):
-        """with watchdog.guard(what): the call inside has timeout_s (faulthandler's too, with backstop)."""
-        self._what = what
+    def guard(self, what: str, backstop: bool = False, error=None, seconds: float | None = None):
+        """with watchdog.guard(what): the call inside has `seconds` (timeout_s; faulthandler's too, with backstop);
+        error: printed first if the call hangs (the CommError that made this rank abort)."""
+        self._what, self._error, self._seconds = what, error, seconds or self.timeout_s
         if backstop:
-            faulthandler.dump_traceback_later(self.timeout_s + self.GRACE_S, exit=True)
-        self._deadline = time.monotonic() + self.timeout_s
+            faulthandler.dump_traceback_later(self._seconds + self.GRACE_S, exit=True)
+        self._deadline = time.monotonic() + self._seconds
         try:
             yield
         finally:
-            self._deadline = None
+            self._deadline = self._error = None
             if backstop:
                 faulthandler.cancel_dump_traceback_later()
 
@@ -213,8 +236,7 @@ class Comm(_Collectives):
             device = int(local) if local is not None else self.rank % cp.cuda.runtime.getDeviceCount()
         self.device = cp.cuda.Device(device)
         self.device.use()
-        self._comm = None
-        self._aborted = False
+        self._comm, self._aborted = None, False
         self._watchdog = _Watchdog(self.rank, self.timeout_s)
         # ncclCommInitRank returns only once every rank has joined: a rank that never comes would hold it forever
         try:
@@ -297,34 +319,38 @@ class Comm(_Collectives):
             try:
                 self._comm.check_async_error()
             except self.nccl.NcclError as e:
-                seconds = time.monotonic() - start
-                self.abort()
-                raise CommError(self.rank, what, seconds, f"NCCL reported {e}") from e
+                error = CommError(self.rank, what, time.monotonic() - start, f"NCCL reported {e}")
+                self.abort(error)
+                raise error from e
 
         if not _poll_stream(stream, start + self.timeout_s, check):
-            seconds = time.monotonic() - start       # before the abort, which may take a while itself
-            self.abort()
-            raise CommError(self.rank, what, seconds,
-                            "timed out (a peer died, hangs, or called another collective); communicator aborted")
+            error = CommError(self.rank, what, time.monotonic() - start,   # before the abort, which takes a while
+                              "timed out (a peer died, hangs, or called another collective); communicator aborted")
+            self.abort(error)
+            raise error
 
     # -------------------------------------------------------------- end
-    def abort(self):
-        """End the communicator at once: NCCL's kernels still waiting for peers return, the GPU is usable again."""
+    def abort(self, error: CommError | None = None):
+        """End the communicator at once: NCCL's kernels still waiting for peers return. Its users let go first
+        (on_abort): NCCL's abort raises the flag that ends its kernels, then waits until every graph that recorded
+        them is destroyed (one destroyed mid-replay is freed once that replay ends). Bounded: if it hangs anyway,
+        the watchdog prints `error` (why this rank aborts) and ends the rank (EXIT_HUNG), as a launcher needs."""
         if self._comm is not None and not self._aborted:
             self._aborted = True
-            self._comm.abort()
+            with self._watchdog.guard("releasing the graphs and aborting the communicator (ncclCommAbort)",
+                                      backstop=True, error=error, seconds=max(self.timeout_s, ABORT_S)):
+                self._release_users()
+                self._comm.abort()
 
     def close(self):
-        """Destroy the communicator (after its work is done), or abort it if it already failed."""
+        """Destroy the communicator (its work done, its users released first), or drop it if it was aborted."""
         if self._comm is not None:
             if not self._aborted:
-                with self._watchdog.guard("destroying the communicator"):
+                with self._watchdog.guard("releasing the graphs and destroying the communicator"):
+                    self._release_users()
                     self._comm.destroy()
             self._comm = None
         self._watchdog.stop()
-
-    def __repr__(self):
-        return f"Comm(rank={self.rank}, world={self.world}, device={self.device.id}, NCCL)"
 
 
 # ============================================================================ one rank
@@ -342,32 +368,28 @@ class LocalComm(_Collectives):
         if isinstance(dst, np.ndarray):
             if dst is not src:
                 dst.reshape(-1)[...] = src.reshape(-1)
-            return
+            return dst
         self._gpu = True
-        if dst is src:
-            return
-        import cupy as cp
-        with (cp.cuda.get_current_stream() if stream is None else stream):
-            dst.reshape(-1)[...] = src.reshape(-1)
+        if dst is not src:
+            import cupy as cp
+            with (cp.cuda.get_current_stream() if stream is None else stream):
+                dst.reshape(-1)[...] = src.reshape(-1)
+        return dst
 
     def all_reduce(self, x, out=None, op="sum", stream=None):
         x, out, _ = self._check_all_reduce(x, out, op)
-        self._copy(out, x, stream)
-        return out
+        return self._copy(out, x, stream)
 
     def reduce_scatter(self, x, out, op="sum", stream=None):
         x, out, _ = self._check_reduce_scatter(x, out, op)
-        self._copy(out, x, stream)
-        return out
+        return self._copy(out, x, stream)
 
     def all_gather(self, x, out, stream=None):
         x, out = self._check_all_gather(x, out)
-        self._copy(out, x, stream)
-        return out
+        return self._copy(out, x, stream)
 
     def broadcast(self, x, root=0, stream=None):
-        self._check_root(root)
-        x = self._array(x, "x")
+        x, _ = self._array(x, "x"), self._check_root(root)
         self._gpu = self._gpu or not isinstance(x, np.ndarray)
         return x
 
@@ -382,14 +404,10 @@ class LocalComm(_Collectives):
         if not _poll_stream(stream, start + self.timeout_s):
             raise CommError(0, what, time.monotonic() - start, "the stream's work did not finish")
 
-    def abort(self):                 # nothing to end: no peer, nothing in flight but this rank's own stream
-        pass
+    def abort(self, error=None):     # no peer to end: only the users to release
+        self._release_users()
 
     close = abort
-
-    def __repr__(self):
-        return "LocalComm(world=1)"
-
 
 
 # ============================================================================ CPU processes (tests)
@@ -421,9 +439,8 @@ class CpuGroup:
 
     def close(self):
         """The parent's copies: closed once the processes have theirs."""
-        for ends in self._ends.values():
-            for c in ends.values():
-                c.close()
+        for c in (c for ends in self._ends.values() for c in ends.values()):
+            c.close()
 
 
 class CpuComm(_Collectives):
@@ -443,6 +460,7 @@ class CpuComm(_Collectives):
                              f"not of rank {rank} of {world}")
         self.rank, self.world, self.timeout_s = int(rank), int(world), _check_timeout(timeout_s)
         self._conns, self._seq, self._aborted = unique_id.conns, 0, False
+        self._peers = [r for r in range(self.world) if r != self.rank]
 
     def _fail(self, what, start, reason):
         self.abort(f"{what}: {reason}")
@@ -451,8 +469,7 @@ class CpuComm(_Collectives):
     def _exchange(self, what: str, sends: dict, recv_from) -> dict:
         """Send sends[peer] to each peer (threads: a pipe holds only so much until its reader reads) and receive
         one message from each of recv_from; all bounded by timeout_s."""
-        if self._aborted:
-            raise CommError(self.rank, what, 0.0, "the communicator was aborted or closed")
+        self.wait(what=what)                        # an aborted communicator raises CommError
         self._seq += 1
         tag, start = (self._seq, what), time.monotonic()
         deadline = start + self.timeout_s
@@ -512,20 +529,17 @@ class CpuComm(_Collectives):
             acc /= acc.dtype.type(world)
         return acc
 
-    def _peers(self):
-        return [r for r in range(self.world) if r != self.rank]
-
     def all_reduce(self, x, out=None, op="sum", stream=None):
         x, out, op = self._check_all_reduce(x, out, op)
         flat = np.ascontiguousarray(x).reshape(-1)
-        got = self._exchange("all_reduce", {p: flat for p in self._peers()}, self._peers())
+        got = self._exchange("all_reduce", {p: flat for p in self._peers}, self._peers)
         out.reshape(-1)[...] = self._reduce(self._parts("all_reduce", flat, got, x.size), op, self.world)
         return out
 
     def reduce_scatter(self, x, out, op="sum", stream=None):
         x, out, op = self._check_reduce_scatter(x, out, op)
         chunks = x.reshape(self.world, -1)
-        got = self._exchange("reduce_scatter", {p: chunks[p] for p in self._peers()}, self._peers())
+        got = self._exchange("reduce_scatter", {p: chunks[p] for p in self._peers}, self._peers)
         parts = self._parts("reduce_scatter", chunks[self.rank], got, out.size)
         out.reshape(-1)[...] = self._reduce(parts, op, self.world)
         return out
@@ -533,7 +547,7 @@ class CpuComm(_Collectives):
     def all_gather(self, x, out, stream=None):
         x, out = self._check_all_gather(x, out)
         flat = x.reshape(-1).copy()                 # x may be a slice of out
-        got = self._exchange("all_gather", {p: flat for p in self._peers()}, self._peers())
+        got = self._exchange("all_gather", {p: flat for p in self._peers}, self._peers)
         rows = out.reshape(self.world, -1)
         for r, part in enumerate(self._parts("all_gather", flat, got, x.size)):
             rows[r] = part
@@ -542,7 +556,7 @@ class CpuComm(_Collectives):
     def broadcast(self, x, root=0, stream=None):
         x, root = self._array(x, "x"), self._check_root(root)
         if self.rank == root:
-            self._exchange("broadcast", {p: x.reshape(-1) for p in self._peers()}, [])
+            self._exchange("broadcast", {p: x.reshape(-1) for p in self._peers}, [])
         else:
             part = self._exchange("broadcast", {}, [root])[root]
             if part.size != x.size or part.dtype != x.dtype:
@@ -557,10 +571,11 @@ class CpuComm(_Collectives):
             raise CommError(self.rank, what, 0.0, "the communicator was aborted or closed")
 
     def abort(self, reason: str = "aborted"):
-        """Tell every peer (best effort: a peer that is gone is skipped), then close the pipes."""
+        """Release the users (on_abort), tell every peer (best effort: one that is gone is skipped), close the pipes."""
         if self._aborted:
             return
         self._aborted = True
+        self._release_users()
 
         def tell(conn):
             try:
@@ -579,8 +594,6 @@ class CpuComm(_Collectives):
 
     def close(self):
         self._aborted = True             # a later call raises CommError, not an error of a closed pipe
+        self._release_users()
         for conn in self._conns.values():
             conn.close()
-
-    def __repr__(self):
-        return f"CpuComm(rank={self.rank}, world={self.world})"

@@ -33,7 +33,9 @@ before the update), so the buckets' collectives are recorded beside the backward
 same collectives in the same order (the same buckets, the same access order) and replays them together, one graph
 launch per step. Inside the capture nothing waits on the host: the bounded wait (comm.wait) comes after each
 replay, as after an eager step. NCCL keeps a communicator alive while a graph that recorded its collectives
-exists (its destroy and abort wait for those graphs): close() the trainer before closing its communicator.
+exists (its destroy and abort wait for those graphs), so the trainer registers close() with comm.on_abort: the
+communicator drops the graph first when it ends, closed or aborted (a peer lost in the middle of a replay: NCCL's
+abort ends the replay's collectives, and the graph, destroyed already, is freed as that replay finishes).
 """
 from __future__ import annotations
 
@@ -273,6 +275,7 @@ class DataParallelTrainer(Trainer):
             self._comm_stream = cp.cuda.Stream(non_blocking=True)   # the reductions, beside the backward pass
         else:
             self._comm_stream = None
+        comm.on_abort(self.close)            # the communicator drops the step's graph before it ends (held weakly)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -367,8 +370,9 @@ class DataParallelTrainer(Trainer):
                 astuple(self.config), o.betas, o.eps, o.wd, tuple(o.decayed), id(m), id(o), id(self.comm))
 
     def close(self):
-        """Drop the step's CUDA graph. Call it before comm.close() (or abort): NCCL destroys a communicator only
-        once every graph that recorded its collectives is gone, and waits for them until then."""
+        """Drop the step's CUDA graph: NCCL ends a communicator only once every graph that recorded its collectives
+        is gone (comm.close and comm.abort call this first). The graph's memory pool stays with the trainer: freeing
+        GPU memory waits for the GPU, and a replay stuck on a lost peer ends only with the abort that follows."""
         self._step_graph = None
 
     def _step_body(self, idx, targets):

@@ -5,9 +5,12 @@ this process (LocalComm: no NCCL, no spawn), so a one-GPU machine measures its a
 
     ar = measure_all_reduce(2)                                 # {'nbytes': [...], 'seconds': [...]}, rank 0's
     dp = measure_data_parallel(cfg, B=64, T=256, world=2, zero1=True)   # B rows per GPU: {'tokens_s', ...}
+    by = measure_buckets(cfg, 64, 256, 2, (1, 4, 25))          # {bucket MB: {'tokens_s', ...}}, one start
 """
 from __future__ import annotations
 
+import gc
+import math
 from dataclasses import asdict
 
 from common import expect_int
@@ -40,29 +43,38 @@ def all_reduce_worker(rank, world, unique_id, sizes, repeat=20):
         comm.close()
 
 
-def data_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int, zero1: bool, repeat: int = 10):
-    """{tokens_s, step_s, optimizer_bytes} of DataParallelTrainer steps with B rows per GPU (a global batch of
-    B * world rows), 4b's model at GPT-2's initialisation, each step one CUDA graph (recorded in the warm-up)."""
+def data_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int, zero1: bool, buckets=(25.0,),
+                         repeat: int = 10):
+    """[{tokens_s, step_s, optimizer_bytes} for each bucket size in MB] of DataParallelTrainer steps with B rows
+    per GPU (a global batch of B * world rows), 4b's model at GPT-2's initialisation, each step one CUDA graph
+    (recorded in the warm-up): one trainer per bucket size, one after the other on the same communicator."""
     from step4_gpt2.parallel.data_parallel import DataParallelTrainer
     from step4_gpt2.train.model import TrainGPT
     from step4_gpt2.train.train import TrainConfig
     cfg = GPTConfig(**config)
     comm = rank_comm(rank, world, unique_id)
-    trainer = None
     try:
-        trainer = DataParallelTrainer(TrainGPT(cfg, seed=0), TrainConfig(batch_size=B * world), comm, zero1=zero1,
-                                      graph=True)
         idx, targets = random_batch(cfg, B * world, T, seed=1)                 # the same global batch on every rank
         wait = lambda: comm.wait(what="timed data-parallel step")  # noqa: E731
-        step = time_cuda(lambda: trainer.step(idx, targets, check=False), repeat, wait)
-        return {"tokens_s": B * world * T / step, "step_s": step, "optimizer_bytes": trainer.optimizer_bytes}
+        out = []
+        for mb in buckets:
+            trainer = DataParallelTrainer(TrainGPT(cfg, seed=0), TrainConfig(batch_size=B * world), comm,
+                                          zero1=zero1, bucket_mb=mb, graph=True)
+            step = time_cuda(lambda: trainer.step(idx, targets, check=False), repeat, wait)  # noqa: B023
+            out.append({"tokens_s": B * world * T / step, "step_s": step, "optimizer_bytes": trainer.optimizer_bytes})
+            trainer.close()          # its graph, before the next trainer's memory is taken
+            del trainer
+            gc.collect()
+        return out
     finally:
-        if trainer is not None:
-            trainer.close()          # its graph first: NCCL waits for it before destroying the communicator
-        comm.close()
+        comm.close()                 # releases a graph still held (comm.on_abort) before destroying the communicator
 
 
 # ============================================================================ all the ranks
+def _megabytes(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
 def measure_all_reduce(world: int, sizes=ALL_REDUCE_SIZES, timeout_s: float = 300) -> dict:
     """{'nbytes': [...], 'seconds': [...]} of an all-reduce on `world` >= 2 GPUs (rank 0's medians)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
@@ -71,11 +83,25 @@ def measure_all_reduce(world: int, sizes=ALL_REDUCE_SIZES, timeout_s: float = 30
     return {"nbytes": [r[0] for r in rows], "seconds": [r[1] for r in rows]}
 
 
-def measure_data_parallel(cfg: GPTConfig, B: int, T: int, world: int, zero1: bool = False,
+def measure_data_parallel(cfg: GPTConfig, B: int, T: int, world: int, zero1: bool = False, bucket_mb: float = 25,
                           timeout_s: float = 300) -> dict:
     """{tokens_s, step_s, optimizer_bytes} of data parallelism (ZeRO-1 with zero1) on `world` GPUs, B rows per
-    GPU: the slowest rank's step and tokens/s, rank 0's optimizer bytes."""
+    GPU, gradients reduced in buckets of bucket_mb: the slowest rank's step and tokens/s, rank 0's optimizer bytes."""
+    if not _megabytes(bucket_mb):
+        raise ValueError(f"bucket_mb: expected a bucket size in MB > 0, got {bucket_mb!r}")
+    return measure_buckets(cfg, B, T, world, (bucket_mb,), zero1, timeout_s)[bucket_mb]
+
+
+def measure_buckets(cfg: GPTConfig, B: int, T: int, world: int, buckets, zero1: bool = False,
+                    timeout_s: float = 300) -> dict:
+    """{bucket MB: measure_data_parallel's dict} for each bucket size, all measured by one start of the ranks.
+    Smaller buckets start reducing earlier in the backward (less left exposed at its end) but pay a collective's
+    latency more often."""
     expect_int(world, "world", expected="a positive number of GPUs")
-    rows = spawn_ranks(data_parallel_worker, world, asdict(cfg), B, T, bool(zero1), timeout_s=timeout_s)
-    return {"tokens_s": min(r["tokens_s"] for r in rows), "step_s": max(r["step_s"] for r in rows),
-            "optimizer_bytes": rows[0]["optimizer_bytes"]}
+    buckets = tuple(buckets)
+    if not buckets or not all(_megabytes(b) for b in buckets):
+        raise ValueError(f"buckets: expected bucket sizes in MB > 0, got {buckets!r}")
+    rows = spawn_ranks(data_parallel_worker, world, asdict(cfg), B, T, bool(zero1), [float(b) for b in buckets],
+                       timeout_s=timeout_s)
+    return {b: {"tokens_s": min(r[i]["tokens_s"] for r in rows), "step_s": max(r[i]["step_s"] for r in rows),
+                "optimizer_bytes": rows[0][i]["optimizer_bytes"]} for i, b in enumerate(buckets)}

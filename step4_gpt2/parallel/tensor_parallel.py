@@ -21,8 +21,9 @@ inputs, so its gradients are the same on every rank and need no communication.
 
 The model runs on an `ops` backend: DeviceOps (4b's kernels, CuPy) or HostOps (common.reference.train_gpt2,
 float64 NumPy), so the same code is checked on the CPU with `simulate(fn, world)`: the ranks in one process, the
-all-reduce a NumPy sum in rank order. predict_comm_seconds is the napkin math of its communication; measure.py
-times it (and data parallelism) on the GPUs.
+all-reduce a NumPy sum in rank order. predict_comm_seconds is the napkin math of its communication;
+measure_tensor_parallel times it on the GPUs, each all-reduce's transfer apart from the wait for the slower rank
+(transfer_and_wait).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ COLUMN_SPLIT = ("attn.c_attn.weight", "attn.c_attn.bias", "mlp.c_fc.weight", "ml
 ROW_SPLIT = ("attn.c_proj.weight", "mlp.c_proj.weight")
 ALL_REDUCES_PER_LAYER = 4        # g twice forward, f twice backward
 REDUCE_OPS = ("sum", "avg")
+COMM_STEPS = 10                  # timed steps, each with its all-reduces timed one by one (medians reported)
 
 
 # ============================================================================ sharding (NumPy, no GPU)
@@ -229,7 +231,7 @@ class TensorParallelGPT:
     params: this rank's shard (shard_params), comm: anything with all_reduce(x, out=, op=) (step4_gpt2.parallel.comm's
     Comm on a GPU, simulate()'s on the CPU; None only for world = 1), ops: DeviceOps() (default) or HostOps().
     Every rank gets the same batch; grads (after backward) has this rank's shard of every gradient.
-    timed=True (GPU) records CUDA events around each all-reduce: comm_seconds() adds them up."""
+    timed=True (GPU) records CUDA events around each all-reduce: comm_times() reads them."""
 
     def __init__(self, config: GPTConfig, params: dict, comm, rank: int, world: int, ops=None, timed: bool = False):
         self.config, self.rank, self.world = config, rank, check_world(config, world)
@@ -264,15 +266,16 @@ class TensorParallelGPT:
         self._events.append((start, cp.cuda.get_current_stream().record(cp.cuda.Event())))
         return out
 
-    def comm_seconds(self) -> float:
-        """Seconds inside the all-reduces since the last call (timed=True; waits for the GPU), then forgets them.
-        It includes waiting for the slowest rank to arrive: what the step loses to communication."""
+    def comm_times(self) -> list[float]:
+        """Seconds of each all-reduce since the last call, in order (timed=True), then forgets them. Call it after
+        comm.wait (the bounded wait): the events are done then. Each time includes this rank's wait for the slower
+        ranks to arrive, which transfer_and_wait separates from the transfer."""
         import cupy as cp
         if self._events:
             self._events[-1][1].synchronize()
-        total = sum(cp.cuda.get_elapsed_time(a, b) for a, b in self._events) / 1e3
+        times = [cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b in self._events]
         self._events = []
-        return total
+        return times
 
     def forward(self, idx, targets):
         """The mean loss of the batch (the same on every rank); keeps what backward() needs."""
@@ -400,7 +403,7 @@ def simulate(fn, world: int, timeout_s: float = 60.0) -> list:
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s + 1.0    # a second more: a rank's own bounded wait reports first
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in threads):
@@ -450,6 +453,20 @@ def step_flops(cfg: GPTConfig, B: int, T: int) -> float:
     plus the attention's 6 L T C per token."""
     C, L = cfg.n_embd, cfg.n_layer
     return B * T * (6 * (12 * L * C * C + cfg.vocab_size * C) + 6 * L * T * C)
+
+
+def transfer_and_wait(per_rank) -> tuple[float, float, float]:
+    """(comm, transfer, wait) seconds of a step's all-reduces from per_rank[rank][step][i], the CUDA-event time of
+    all-reduce i of a timed step on each rank: medians over the steps. An all-reduce ends on every rank at about
+    the same moment, once the last rank has arrived; so a rank's events count its wait for the others too, and the
+    rank that arrived last, which waits least, times the transfer alone. transfer: the sum over the all-reduces of
+    the shortest of the ranks' times; comm: the most time one rank spent inside them; wait = comm - transfer."""
+    per_step = list(zip(*per_rank))                 # [step] -> every rank's times of that step
+    if not per_step or not per_step[0][0]:
+        return 0.0, 0.0, 0.0                         # one rank: nothing was reduced
+    comm = statistics.median(max(sum(t) for t in ranks) for ranks in per_step)
+    transfer = statistics.median(sum(min(ts) for ts in zip(*ranks)) for ranks in per_step)
+    return comm, transfer, comm - transfer          # each step's comm >= its transfer: so are the medians
 
 
 def fit_all_reduce(nbytes, seconds, world: int) -> tuple[float, float]:
@@ -503,28 +520,44 @@ def spawn_ranks(fn, world: int, *args, timeout_s: float) -> list:
     return spawn(fn, world, *args, timeout_s=timeout_s)
 
 
-def tensor_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int, repeat: int = 10):
-    """{step_s, comm_s} of TensorParallelGPT.loss_and_grads on a random batch (GPT-2's initialisation, seed 0):
-    the median step, and the seconds inside its all-reduces (CUDA events around each) in one more step."""
+def tensor_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int, repeat: int = COMM_STEPS):
+    """{step_s, comm_s, step_each, comm_each} of TensorParallelGPT.loss_and_grads on a random batch (GPT-2's
+    initialisation, seed 0): after two warm-up steps, `repeat` steps, each timed between CUDA events on the current
+    stream (step_each[step]) and with each of its all-reduces timed too (comm_each[step][i]); step_s and comm_s are
+    this rank's medians. The all-reduces are timed in the steps they belong to, so a step's are never longer than
+    it, however busy the machine."""
+    import cupy as cp
     from step4_gpt2.train.model import init_params
     cfg = GPTConfig(**config)
     comm = rank_comm(rank, world, unique_id)
     try:
         model = TensorParallelGPT(cfg, shard_params(init_params(cfg), cfg, rank, world), comm, rank, world, timed=True)
         idx, targets = random_batch(cfg, B, T, seed=0)
-        wait = lambda: comm.wait(what="timed tensor-parallel step")  # noqa: E731
-        step = time_cuda(lambda: model.loss_and_grads(idx, targets), repeat, wait)
-        model.comm_seconds()                             # forget the warm-up's and the timed runs' events
-        model.loss_and_grads(idx, targets)
-        wait()
-        return {"step_s": step, "comm_s": model.comm_seconds()}
+        for _ in range(2):
+            model.loss_and_grads(idx, targets)
+        comm.wait(what="tensor-parallel warm-up")
+        model.comm_times()                               # forget the warm-up's events
+        steps, each = [], []
+        for _ in range(repeat):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            model.loss_and_grads(idx, targets)
+            b.record()
+            comm.wait(what="timed tensor-parallel step")    # bounded: a peer that died must not hang this rank
+            steps.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+            each.append(model.comm_times())
+        return {"step_s": statistics.median(steps), "comm_s": statistics.median(sum(t) for t in each),
+                "step_each": steps, "comm_each": each}
     finally:
         comm.close()
 
 
 def measure_tensor_parallel(cfg: GPTConfig, B: int, T: int, world: int, timeout_s: float = 300) -> dict:
-    """{step_s, comm_s} of one tensor-parallel training step (forward + backward) on `world` GPUs, the slowest
-    rank's; world = 1 is 4b's model through the same code, with no communication."""
+    """{step_s, comm_s, transfer_s, wait_s} of one tensor-parallel training step (forward + backward) on `world`
+    GPUs: the slowest rank's step; the time in all-reduces, its transfer and the wait for the slower rank
+    (transfer_and_wait). world = 1 is 4b's model through the same code, with no communication (all 0)."""
     check_world(cfg, world)
     rows = spawn_ranks(tensor_parallel_worker, world, asdict(cfg), B, T, timeout_s=timeout_s)
-    return {k: max(r[k] for r in rows) for k in ("step_s", "comm_s")}
+    comm, transfer, wait = transfer_and_wait([r["comm_each"] for r in rows])
+    step = statistics.median(max(ts) for ts in zip(*(r["step_each"] for r in rows)))   # the slowest rank's
+    return {"step_s": step, "comm_s": comm, "transfer_s": transfer, "wait_s": wait}

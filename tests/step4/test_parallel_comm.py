@@ -2,9 +2,10 @@
 
 On the CPU: CpuComm's collectives between real processes (spawn, backend="cpu") against NumPy, bit-equal on every
 rank; a peer that hangs, exits or calls another collective gives a CommError within timeout_s; a child that raises,
-dies or hangs makes spawn() stop every rank and raise LaunchError within its timeout; from_env's rendezvous between
-two processes; the argument errors of every entry point and of the command line. On GPUs: the same collectives
-through NCCL on 2 and 4 GPUs, and a stalled peer ending in a CommError, not a hang."""
+dies or hangs makes spawn() stop every rank and raise LaunchError within its timeout; a communicator's users
+released (on_abort) before it ends, and an abort that never returns ending its rank with the error named;
+from_env's rendezvous between two processes; the argument errors of every entry point and of the command line. On
+GPUs: the same collectives through NCCL on 2 and 4 GPUs, and a stalled peer ending in a CommError, not a hang."""
 import os
 import socket
 import time
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from step4_gpt2.parallel import __main__ as cli
+from step4_gpt2.parallel import comm as C
 from step4_gpt2.parallel.comm import Comm, CommError, CpuComm, CpuGroup, LocalComm
 from step4_gpt2.parallel.launch import LaunchError, from_env, spawn
 
@@ -135,15 +137,20 @@ class _FakeNcclComm:
     class NcclError(Exception):
         pass
 
-    def __init__(self, error: str | None):
-        self.error, self.aborted = error, False
+    def __init__(self, error: str | None, log=None, abort_s: float = 0.0):
+        self.error, self.aborted, self.log, self.abort_s = error, False, log if log is not None else [], abort_s
 
     def check_async_error(self):
         if self.error:
             raise self.NcclError(self.error)
 
     def abort(self):
+        time.sleep(self.abort_s)               # an abort that waits (for a graph nobody released, say)
         self.aborted = True
+        self.log.append("abort")
+
+    def destroy(self):
+        self.log.append("destroy")
 
 
 class _FakeStream:
@@ -155,12 +162,13 @@ class _FakeStream:
         return time.monotonic() > self.end
 
 
-def _comm_without_gpu(error=None, timeout_s=0.5):
+def _comm_without_gpu(error=None, timeout_s=0.5, log=None, abort_s=0.0):
     """A Comm whose NCCL communicator is a fake: wait()'s polling, time-out and abort, run on a CPU."""
     comm = Comm.__new__(Comm)
     comm.rank, comm.world, comm.timeout_s, comm._aborted = 1, 2, timeout_s, False
-    comm._comm = _FakeNcclComm(error)
+    comm._comm = _FakeNcclComm(error, log, abort_s)
     comm.nccl = comm._comm
+    comm._watchdog = C._Watchdog(comm.rank, timeout_s)
     return comm
 
 
@@ -174,10 +182,76 @@ def test_comm_wait_is_bounded_and_aborts():
     assert time.monotonic() - t0 < 1.5 and fake.aborted and comm._aborted
     with pytest.raises(CommError, match="aborted or closed"):              # an aborted communicator stays so
         comm.wait(_FakeStream(0), what="the next step")
+    comm._watchdog.stop()
     comm = _comm_without_gpu("remote process exited or there was a network error")
     with pytest.raises(CommError, match="NCCL reported remote process exited") as e:
         comm.wait(_FakeStream(60), what="step 3")
     assert e.value.seconds < 0.5 and comm._comm.aborted
+    comm._watchdog.stop()
+
+
+class _GraphHolder:
+    """A user of a communicator, as DataParallelTrainer is: it holds a graph and lets go in close()."""
+
+    def __init__(self, log, name):
+        self.log, self.name, self.graph = log, name, "a CUDA graph"
+
+    def close(self):
+        self.graph = None
+        self.log.append(f"release {self.name}")
+
+
+def test_comm_releases_its_users_before_it_ends():
+    """on_abort: every registered release runs once, latest first, before NCCL's abort or destroy; a bound method
+    is held weakly (an object that is gone is skipped); one that raises is reported and the end goes on."""
+    import gc
+    log = []
+    comm = _comm_without_gpu(log=log)
+    a, b, gone = _GraphHolder(log, "a"), _GraphHolder(log, "b"), _GraphHolder(log, "gone")
+    for user in (a, gone, b):
+        comm.on_abort(user.close)
+    comm.on_abort(lambda: 1 / 0)
+    del gone
+    gc.collect()
+    with pytest.raises(CommError, match="timed out"):
+        comm.wait(_FakeStream(60), what="step 3")
+    assert log == ["release b", "release a", "abort"] and a.graph is None and b.graph is None
+    comm.abort()                                        # once: nothing left to release, nothing to abort again
+    assert log == ["release b", "release a", "abort"]
+    comm._watchdog.stop()
+    log.clear()
+    comm = _comm_without_gpu(log=log)
+    comm.on_abort(_GraphHolder(log, "c").close)         # its object is gone at once: nothing to release
+    keep = _GraphHolder(log, "d")
+    comm.on_abort(keep.close)
+    comm.close()
+    assert log == ["release d", "destroy"]
+    with pytest.raises(TypeError, match="release: expected a callable"):
+        comm.on_abort("not a function")
+    local = LocalComm()
+    local.on_abort(keep.close)
+    local.abort()
+    assert log[-1] == "release d"
+
+
+def abort_that_never_returns_rank(rank, world, endpoint):
+    """A rank whose wait times out and whose abort then never returns (as NCCL's waits for a CUDA graph that
+    nobody destroyed): the watchdog must name the time-out and end the rank, exit status EXIT_HUNG."""
+    C.ABORT_S = 1.0                                     # the abort's bound, short for the test
+    comm = _comm_without_gpu(timeout_s=0.5, abort_s=600)
+    comm.wait(_FakeStream(600), what="step 3")
+    return "the abort returned"
+
+
+def test_comm_abort_that_never_returns_ends_the_rank_with_the_named_error(capfd):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=rf"rank 0 died without a result \(exit status {C.EXIT_HUNG}\)"):
+        spawn(abort_that_never_returns_rank, 1, backend="cpu", timeout_s=60)
+    assert time.monotonic() - t0 < 0.5 + 1.0 + 10            # + starting a Python on a busy machine
+    err = capfd.readouterr().err
+    assert "rank 1: step 3 did not complete after 0.5 s: timed out" in err, err
+    assert "rank 1: releasing the graphs and aborting the communicator (ncclCommAbort) did not return after 1.0 s" \
+        in err, err
 
 
 def stalled_peer_rank(rank, world, endpoint, mode):

@@ -6,7 +6,8 @@ number of ranks) runs with 4b's model replaced by its float64 reference (common.
 access order to the gradient buffers as TrainGPT.backward) and the collectives by NumPy between threads, one per
 rank; it must train exactly like one process on the global batch. On the GPU: the real TrainGPT's access order,
 and on 2 and 4 GPUs (NCCL) 20 steps equal to one GPU within 1e-5 relative and ZeRO-1's optimizer memory 1/N; the
-step recorded as a CUDA graph (graph=True, collectives included) equal to the eager step, on one GPU and on 2 or 4."""
+step recorded as a CUDA graph (graph=True, collectives included) equal to the eager step, on one GPU and on 2 or 4;
+and in graph mode a stalled peer ending a replay in a CommError, the communicator releasing the graph first."""
 import threading
 
 import numpy as np
@@ -34,7 +35,10 @@ class ThreadComm:
             self.barrier = threading.Barrier(world, timeout=timeout_s)
 
     def __init__(self, hub, rank):
-        self.hub, self.rank, self.world, self.log = hub, rank, hub.world, []
+        self.hub, self.rank, self.world, self.log, self.releases = hub, rank, hub.world, [], []
+
+    def on_abort(self, release):
+        self.releases.append(release)
 
     def _exchange(self, what, x):
         self.log.append((what, int(x.size)))
@@ -283,6 +287,24 @@ def test_config_digest_differs_for_any_field():
     assert np.array_equal(a, DP.config_digest({"lr": 1e-3}, 2))
     assert not np.array_equal(a, DP.config_digest({"lr": 2e-3}, 2))
     assert (a < 2**16).all() and a.dtype == np.float32
+
+
+def test_the_trainer_lets_its_communicator_release_its_graph():
+    """DataParallelTrainer registers close() with comm.on_abort: ending the communicator drops the step's graph
+    (NCCL would wait for it), and a trainer that is gone is not kept alive by its communicator."""
+    import gc
+    import weakref
+    from step4_gpt2.parallel.comm import LocalComm
+    comm = LocalComm()
+    t = CpuDP(RefGPT(CFG), TC, comm)
+    t._step_graph = "a recorded step"
+    comm.abort()
+    assert t._step_graph is None
+    comm = LocalComm()
+    gone = weakref.ref(CpuDP(RefGPT(CFG), TC, comm))
+    gc.collect()
+    assert gone() is None
+    comm.close()
 
 
 # ============================================================================ CPU: training equals one process
@@ -542,7 +564,9 @@ def test_graph_step_equals_eager_on_gpus(world):
 
 def _graph_stalled_rank(rank, world, unique_id):
     """Two graph steps on both ranks (the second a replay); then rank 1 stalls and rank 0's third step (a replay)
-    never ends: its bounded wait must raise CommError, which aborts the communicator."""
+    never ends: its bounded wait must raise CommError, which aborts the communicator, the trainer's graph released
+    first (comm.on_abort) while its replay is still stuck. Rank 1 then aborts too, its graph released the same way.
+    Were the abort to wait for a graph anyway, the watchdog would end the rank (exit status 3) and spawn say so."""
     import time
 
     import cupy as cp
@@ -553,28 +577,28 @@ def _graph_stalled_rank(rank, world, unique_id):
                                graph=True)
     for s in range(2):
         t.step(*(cp.asarray(a) for a in global_batch_gpu(s, 8)))
+    replaying = t._step_graph is not None
     if rank == 1:
         time.sleep(15)
-        t.close()
-        comm.abort()
-        return "stalled"
+        comm.abort()                        # no t.close(): the communicator releases the graph itself
+        return "stalled", replaying and t._step_graph is None
     t0 = time.monotonic()
     try:
         t.step(*(cp.asarray(a) for a in global_batch_gpu(2, 8)))
     except CommError as e:
-        return str(e), time.monotonic() - t0
-    return "no error", time.monotonic() - t0
+        return str(e), time.monotonic() - t0, replaying and t._step_graph is None
+    return "no error", time.monotonic() - t0, False
 
 
 @gpu
-@pytest.mark.xfail(strict=False, reason="Comm.abort runs ncclCommAbort while the trainer's graph still holds the "
-                   "communicator: NCCL >= 2.26 waits in the abort until that graph is destroyed, so rank 0 hangs "
-                   "there (spawn's time-out ends it). Passes once Comm drops its users' graphs before aborting.")
 def test_graph_step_stalled_peer_is_a_comm_error_not_a_hang():
-    """With graph=True, a peer that stalls still ends a rank's step with a CommError within its time-out."""
+    """With graph=True, a peer that stalls still ends a rank's step with a CommError within its time-out: NCCL
+    (2.26 and later) aborts a communicator only once the graphs that recorded it are destroyed, so Comm.abort
+    releases them first (comm.on_abort), and the abort's own wait for the stuck replay ends with the abort."""
     if _gpus() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {_gpus()}")
     from step4_gpt2.parallel.launch import spawn
-    (message, seconds), stalled = spawn(_graph_stalled_rank, 2, timeout_s=60)
+    (message, seconds, released), (stalled, released_1) = spawn(_graph_stalled_rank, 2, timeout_s=90)
     assert message.startswith("rank 0: step 3 did not complete after 5."), message
     assert 5 <= seconds < 30 and stalled == "stalled"
+    assert released and released_1, "a rank ended its communicator without releasing its replayed graph"

@@ -1,7 +1,7 @@
 """Step 4e's tensor parallelism (step4_gpt2/parallel/tensor_parallel.py): on the CPU the sharding, the Megatron
 forward/backward of one block and of the whole model with world = 1, 2, 4 ranks simulated in one process against
 4b's float64 reference (common.reference.train_gpt2), the simulated communicator's bounded waits, the napkin
-math and the named errors; on one GPU the model on 4b's kernels against 4b's TrainGPT; on 2 and 4 GPUs (one
+math, the all-reduces' transfer told apart from the wait for the slower rank, and the named errors; on one GPU the model on 4b's kernels against 4b's TrainGPT; on 2 and 4 GPUs (one
 process per GPU, NCCL) the same, its gradients gathered from the ranks, and the measuring workers."""
 import time
 
@@ -161,6 +161,18 @@ def test_fit_all_reduce_recovers_bandwidth_and_latency():
     assert bw == pytest.approx(250.0, rel=1e-6) and lat == pytest.approx(12.0, rel=1e-4)
 
 
+def test_transfer_and_wait_take_each_all_reduce_from_the_rank_that_waited_least():
+    """Two ranks, two timed steps of three all-reduces; the transfer of each is 1 ms. Rank 0 computes faster before
+    the first and the third (it waits there for rank 1), rank 1 before the second."""
+    ms = 1e-3
+    per_rank = [[[3 * ms, 1 * ms, 2 * ms], [5 * ms, 1 * ms, 2 * ms]],       # rank 0: [step][all-reduce]
+                [[1 * ms, 4 * ms, 1 * ms], [1 * ms, 2 * ms, 1 * ms]]]       # rank 1
+    comm, transfer, wait = tp.transfer_and_wait(per_rank)
+    # per step: the most one rank spent in all-reduces (6 and 8 ms), the shortest time of each all-reduce (3 ms)
+    assert comm == pytest.approx(7 * ms) and transfer == pytest.approx(3 * ms) and wait == pytest.approx(4 * ms)
+    assert tp.transfer_and_wait([[[], []]]) == (0.0, 0.0, 0.0)                # one rank: no all-reduce
+
+
 def test_step_flops_is_6_per_parameter_per_token_plus_attention():
     cfg = SMALL
     blocks = 12 * cfg.n_layer * cfg.n_embd ** 2
@@ -268,7 +280,7 @@ def test_ranks_on_gpus_match_the_reference(world):
 @gpu
 def test_measuring_on_one_gpu_runs_in_this_process():
     tpm = tp.measure_tensor_parallel(GPU_CFG, 4, 64, 1)
-    assert tpm["step_s"] > 0 and tpm["comm_s"] == 0
+    assert tpm["step_s"] > 0 and tpm["comm_s"] == tpm["transfer_s"] == tpm["wait_s"] == 0
     for zero1 in (False, True):
         dp = measure.measure_data_parallel(GPU_CFG, 4, 64, 1, zero1=zero1)
         assert dp["tokens_s"] > 0
@@ -282,10 +294,13 @@ def test_measuring_on_several_gpus(world):
     ar = measure.measure_all_reduce(world, sizes=(256, 65536))
     assert ar["nbytes"] == [1024, 262144] and all(s > 0 for s in ar["seconds"])
     tpm = tp.measure_tensor_parallel(GPU_CFG, 4, 64, world)
-    assert 0 < tpm["comm_s"] < tpm["step_s"]
+    assert 0 < tpm["transfer_s"] <= tpm["comm_s"] < tpm["step_s"]
+    assert tpm["wait_s"] == pytest.approx(tpm["comm_s"] - tpm["transfer_s"])
     one = measure.measure_data_parallel(GPU_CFG, 4, 64, 1, zero1=True)["optimizer_bytes"]
     dp = measure.measure_data_parallel(GPU_CFG, 4, 64, world, zero1=True)
     assert dp["tokens_s"] > 0 and dp["optimizer_bytes"] <= 1.01 * one / world      # 1/N (+ a little padding)
+    by = measure.measure_buckets(GPU_CFG, 4, 64, world, (0.05, 25))                 # several buckets, one bucket
+    assert list(by) == [0.05, 25] and all(m["tokens_s"] > 0 for m in by.values())
 
 
 def test_measure_names_bad_input():
@@ -295,3 +310,9 @@ def test_measure_names_bad_input():
         tp.measure_tensor_parallel(SMALL, 2, 8, 3)
     with pytest.raises(ValueError, match="world: expected a positive number of GPUs"):
         measure.measure_data_parallel(SMALL, 2, 8, 0)
+    for bad in (0, -1.0, float("nan"), True, "25"):
+        with pytest.raises(ValueError, match="bucket_mb: expected a bucket size in MB > 0"):
+            measure.measure_data_parallel(SMALL, 2, 8, 1, bucket_mb=bad)
+    for bad in ((), (4, 0), [float("inf")]):
+        with pytest.raises(ValueError, match="buckets: expected bucket sizes in MB > 0"):
+            measure.measure_buckets(SMALL, 2, 8, 1, bad)
