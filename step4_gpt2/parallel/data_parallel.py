@@ -537,20 +537,10 @@ class _DataParallelGraph(_StepGraph):
     accumulation buffer are made before the capture and live as long as the trainer."""
 
     def __init__(self, trainer: DataParallelTrainer, idx, targets, key):
-        import cupy as cp
         self.key = key
         self.acts = trainer.model._activations(trainer.micro_batch, idx.shape[1])   # the addresses it writes
         trainer.opt.prepare(trainer._opt_grads)           # AdamW's pointer table, in the optimiser's memory
-        self.idx, self.targets = idx.copy(), targets.copy()
-        if trainer._graph_memory is None:
-            trainer._graph_memory = (cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
-        self.stream, self.pool = trainer._graph_memory
-        caller = cp.cuda.get_current_stream()
-        self.stream.wait_event(caller.record())
-        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
-            loss = trainer._step_body(self.idx, self.targets)
-        caller.wait_event(self.stream.record())
-        self.first_loss = loss.copy()                      # in the caller's memory, on the caller's stream
+        self._first_step(trainer, idx, targets)           # 4b's: on the graph's stream, in its memory pool
 
 
 def _pad_buffers(model, padded: int):

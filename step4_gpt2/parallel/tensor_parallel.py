@@ -486,12 +486,13 @@ def rank_comm(rank: int, world: int, unique_id):
     return LocalComm(gpu=True) if world == 1 else Comm(rank, world, unique_id)
 
 
-def time_cuda(fn, repeat: int, wait) -> float:
-    """Median seconds of fn() between CUDA events on the current stream (after two warm-up runs); wait() is the
-    communicator's bounded wait (never an unbounded synchronize: a peer that died must not hang this rank).
-    All ranks call it together, so each timed collective also includes the wait for the slowest rank."""
+def times_cuda(fn, repeat: int, wait, warmup: int = 2, after=None) -> list[float]:
+    """Seconds of each of `repeat` runs of fn() between CUDA events on the current stream, after `warmup` runs;
+    wait() is the communicator's bounded wait (never an unbounded synchronize: a peer that died must not hang
+    this rank), and after(), if given, runs after each timed run's wait. All ranks call it together, so each
+    timed collective also includes the wait for the slowest rank."""
     import cupy as cp
-    for _ in range(2):
+    for _ in range(warmup):
         fn()
     wait()
     times = []
@@ -502,7 +503,14 @@ def time_cuda(fn, repeat: int, wait) -> float:
         b.record()
         wait()
         times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-    return statistics.median(times)
+        if after is not None:
+            after()
+    return times
+
+
+def time_cuda(fn, repeat: int, wait) -> float:
+    """The median of times_cuda's runs."""
+    return statistics.median(times_cuda(fn, repeat, wait))
 
 
 def random_batch(cfg: GPTConfig, B: int, T: int, seed: int):
@@ -526,26 +534,20 @@ def tensor_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int,
     stream (step_each[step]) and with each of its all-reduces timed too (comm_each[step][i]); step_s and comm_s are
     this rank's medians. The all-reduces are timed in the steps they belong to, so a step's are never longer than
     it, however busy the machine."""
-    import cupy as cp
     from step4_gpt2.train.model import init_params
     cfg = GPTConfig(**config)
     comm = rank_comm(rank, world, unique_id)
     try:
         model = TensorParallelGPT(cfg, shard_params(init_params(cfg), cfg, rank, world), comm, rank, world, timed=True)
         idx, targets = random_batch(cfg, B, T, seed=0)
+        step = lambda: model.loss_and_grads(idx, targets)  # noqa: E731
+        wait = lambda: comm.wait(what="timed tensor-parallel step")  # noqa: E731
         for _ in range(2):
-            model.loss_and_grads(idx, targets)
-        comm.wait(what="tensor-parallel warm-up")
+            step()
+        wait()
         model.comm_times()                               # forget the warm-up's events
-        steps, each = [], []
-        for _ in range(repeat):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record()
-            model.loss_and_grads(idx, targets)
-            b.record()
-            comm.wait(what="timed tensor-parallel step")    # bounded: a peer that died must not hang this rank
-            steps.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-            each.append(model.comm_times())
+        each = []
+        steps = times_cuda(step, repeat, wait, warmup=0, after=lambda: each.append(model.comm_times()))
         return {"step_s": statistics.median(steps), "comm_s": statistics.median(sum(t) for t in each),
                 "step_each": steps, "comm_each": each}
     finally:

@@ -107,7 +107,6 @@ class _StepGraph:
     outside it. The batch is copied into the graph's input buffers before each replay."""
 
     def __init__(self, trainer: "Trainer", idx, targets, key):
-        import cupy as cp
         m, opt = trainer.model, trainer.opt
         if m.attention_version == 1:
             raise ValueError("graph=True: attention_version must be 2 or 3 (version 1's batched GEMMs go through "
@@ -117,6 +116,12 @@ class _StepGraph:
         # two), and the graph writes to these very addresses.
         self.acts = m._activations(*idx.shape)
         opt.prepare(m.grads)                               # AdamW's pointer table, in the optimiser's memory
+        self._first_step(trainer, idx, targets)
+
+    def _first_step(self, trainer, idx, targets):
+        """The step run once without a graph, on the graph's stream and in its memory pool (made on the trainer's
+        first graph): it allocates every buffer the capture takes again. Keeps the graph's copies of the batch."""
+        import cupy as cp
         self.idx, self.targets = idx.copy(), targets.copy()
         if trainer._graph_memory is None:
             trainer._graph_memory = (cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
