@@ -3,7 +3,7 @@ parallelism and ZeRO-1 (tensor parallelism's: tensor_parallel.measure_tensor_par
 rank's part; each `measure_*` starts the ranks and returns what the notebook prints and plots. world = 1 runs in
 this process (LocalComm: no NCCL, no spawn), so a one-GPU machine measures its anchor the same way.
 
-    ar = measure_all_reduce(2)                                 # {'nbytes': [...], 'seconds': [...]}, rank 0's
+    ar = measure_all_reduce(2)                                 # {'nbytes': [...], 'seconds': [...]}
     dp = measure_data_parallel(cfg, B=64, T=256, world=2, zero1=True)   # B rows per GPU: {'tokens_s', ...}
     by = measure_buckets(cfg, 64, 256, 2, (1, 4, 25))          # {bucket MB: {'tokens_s', ...}}, one start
 """
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 from dataclasses import asdict
 
 from common import expect_int
-from step4_gpt2.parallel.tensor_parallel import random_batch, rank_comm, spawn_ranks, time_cuda
+from step4_gpt2.parallel.tensor_parallel import random_batch, rank_comm, spawn_ranks, time_cuda, times_cuda
 from step4_gpt2.weights import GPTConfig
 
 # floats: 256 (1 KiB, where the latency shows) .. 268M (1 GiB, where the bandwidth does), a factor of 4 apart
@@ -23,8 +24,8 @@ ALL_REDUCE_SIZES = tuple(4**k for k in range(4, 15))
 
 # ============================================================================ one rank's part
 def all_reduce_worker(rank, world, unique_id, sizes, repeat=20):
-    """[(nbytes, median seconds)] of an all-reduce (sum) of each size in floats, its result checked first (a
-    vector of ones sums to world)."""
+    """[(nbytes, [seconds of each timed call])] of an all-reduce (sum) of each size in floats, its result checked
+    first (a vector of ones sums to world)."""
     import cupy as cp
     comm = rank_comm(rank, world, unique_id)
     try:
@@ -36,7 +37,7 @@ def all_reduce_worker(rank, world, unique_id, sizes, repeat=20):
             if not bool((x == world).all()):
                 raise RuntimeError(f"rank {rank}: all_reduce of {n} floats gave a wrong sum")
             wait = lambda: comm.wait(what="timed all_reduce")  # noqa: E731
-            out.append((4 * int(n), time_cuda(lambda x=x: comm.all_reduce(x, out=x), repeat, wait)))
+            out.append((4 * int(n), times_cuda(lambda x=x: comm.all_reduce(x, out=x), repeat, wait)))
             del x
         return out
     finally:
@@ -76,11 +77,16 @@ def _megabytes(v) -> bool:
 
 
 def measure_all_reduce(world: int, sizes=ALL_REDUCE_SIZES, timeout_s: float = 300) -> dict:
-    """{'nbytes': [...], 'seconds': [...]} of an all-reduce on `world` >= 2 GPUs (rank 0's medians)."""
+    """{'nbytes': [...], 'seconds': [...]} of an all-reduce on `world` >= 2 GPUs: for each size, the median over
+    the timed calls of the shortest of the ranks' times of a call. A call ends on every rank at about the same
+    moment, once the last rank has arrived, so the others' events also count their wait for it; the last to
+    arrive times the transfer alone (as tensor_parallel.transfer_and_wait does for a step's all-reduces)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world: an all-reduce is measured on 2 or more GPUs, got {world!r}")
-    rows = spawn_ranks(all_reduce_worker, world, [int(s) for s in sizes], timeout_s=timeout_s)[0]
-    return {"nbytes": [r[0] for r in rows], "seconds": [r[1] for r in rows]}
+    ranks = spawn_ranks(all_reduce_worker, world, [int(s) for s in sizes], timeout_s=timeout_s)
+    return {"nbytes": [n for n, _ in ranks[0]],
+            "seconds": [statistics.median(min(call) for call in zip(*(r[i][1] for r in ranks)))
+                        for i in range(len(ranks[0]))]}
 
 
 def measure_data_parallel(cfg: GPTConfig, B: int, T: int, world: int, zero1: bool = False, bucket_mb: float = 25,

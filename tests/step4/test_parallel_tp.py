@@ -303,6 +303,16 @@ def test_measuring_on_several_gpus(world):
     assert list(by) == [0.05, 25] and all(m["tokens_s"] > 0 for m in by.values())
 
 
+def test_all_reduce_time_is_the_last_arrivals(monkeypatch):
+    """Each call's time is the shortest of the ranks' (the last to arrive waits least), then the median over calls:
+    a rank that starts late does not count as latency."""
+    ranks = [[(1024, [5e-6, 40e-6, 6e-6]), (4096, [9e-6, 9e-6, 9e-6])],       # rank 0 waited in call 2
+             [(1024, [30e-6, 4e-6, 7e-6]), (4096, [8e-6, 10e-6, 50e-6])]]     # rank 1 in calls 1 and 3
+    monkeypatch.setattr(measure, "spawn_ranks", lambda fn, world, sizes, timeout_s: ranks)
+    got = measure.measure_all_reduce(2, sizes=(256, 1024))
+    assert got == {"nbytes": [1024, 4096], "seconds": [5e-6, 9e-6]}      # medians of (5, 4, 6) and (8, 9, 9) us
+
+
 def test_measure_names_bad_input():
     with pytest.raises(ValueError, match="world: an all-reduce is measured on 2 or more GPUs"):
         measure.measure_all_reduce(1)
