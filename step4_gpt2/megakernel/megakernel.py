@@ -14,7 +14,8 @@ state and stream) whose steps are launches of this kernel. Options:
                    one launch per token, the host queues them ahead (generate.PIPELINE_DEPTH)
   timeout_s        the longest any block may wait for another inside the kernel before it reports an error
 Sampling (choose given) works one launch per token: the kernel's argmax is replaced by the sampled token.
-`supports(model, batch, greedy)` says whether the megakernel is the decoder to pick for a call.
+`supports(model, batch, greedy)` says whether the megakernel is the decoder to pick for a call. It reads fp32
+weights only: a bf16 or int8 model (lesson 4f's GPT(precision=...)) is refused and decodes on the graph path.
 
 Nothing hangs: the grid is sized so every block is resident at once (the driver's occupancy calculator);
 when it cannot be, the constructor raises MegakernelUnavailable (supports() then says False), and every wait
@@ -70,6 +71,17 @@ def unsupported_reason(config, batch: int) -> str | None:
         return f"config: head_dim must be 32 or 64, got n_embd={config.n_embd}, n_head={config.n_head}"
     if config.n_embd % 4:
         return f"config: n_embd must be a multiple of 4 (float4 loads), got {config.n_embd}"
+    return None
+
+
+def precision_reason(model) -> str | None:
+    """Why the kernel cannot take this model's weights (None when it can): it reads every block's matrices as
+    fp32 (float4 loads), so a GPT(precision="bf16") or "int8" model (lesson 4f) decodes on the graph path."""
+    precision = getattr(model, "precision", "fp32")
+    if precision != "fp32":
+        return (f"model: the megakernel reads fp32 weights, and this model stores its block weights as "
+                f"{precision} (GPT(precision={precision!r})); decode it with the graph decoder (--decode graph), "
+                f"or load it with precision='fp32' for the megakernel")
     return None
 
 
@@ -140,7 +152,7 @@ def fit(fn, config, batch: int, threads: int = THREADS, unroll: int = UNROLL) ->
 def supports(model, batch: int, greedy: bool) -> bool:
     """Whether to decode this call with the megakernel: greedy decoding of 1..AUTO_MAX_BATCH sequences of a
     model the kernel takes, where every block of it fits on this GPU at once."""
-    if not greedy or unsupported_reason(model.config, batch) or batch > AUTO_MAX_BATCH:
+    if not greedy or unsupported_reason(model.config, batch) or batch > AUTO_MAX_BATCH or precision_reason(model):
         return False
     require_gpu()
     try:
@@ -161,6 +173,9 @@ class MegakernelDecoder(Decoder):
 
     def __init__(self, model, batch: int, length: int, greedy: bool = True, version: int = 2,
                  steps_per_launch: int = 1, timeout_s: float = TIMEOUT_S):
+        reason = precision_reason(model)          # an argument error, before the no-GPU message
+        if reason:
+            raise ValueError(reason)
         require_gpu()
         import cupy as cp
         cfg = model.config
@@ -204,6 +219,9 @@ class MegakernelDecoder(Decoder):
             ptrs += [blk.ln_1[0], blk.ln_1[1], blk.c_attn, blk.c_attn_b, blk.c_proj, blk.c_proj_b, blk.ln_2[0],
                      blk.ln_2[1], blk.c_fc, blk.c_fc_b, mproj_t[key], blk.mlp_proj_b, self.state.cache.k[i],
                      self.state.cache.v[i]]
+        if any(a.dtype != cp.float32 for a in ptrs):      # the kernel reads raw addresses as floats
+            raise ValueError("model: the megakernel reads fp32 weights; a block of this model holds "
+                             f"{sorted({str(a.dtype) for a in ptrs} - {'float32'})} arrays")
         if len(ptrs) != cfg.n_layer * LW_COUNT:
             raise RuntimeError("megakernel: the layer pointer table does not match megakernel.cuh's LW_COUNT")
         self.ptrs = cp.asarray(np.array([a.data.ptr for a in ptrs], np.uint64))
@@ -315,4 +333,4 @@ class MegakernelDecoder(Decoder):
 
 
 __all__ = ["MegakernelDecoder", "MegakernelUnavailable", "MegakernelTimeout", "supports", "unsupported_reason",
-           "defines", "smem_bytes", "rows", "stages_per_step", "STAGES", "AUTO_MAX_BATCH"]
+           "precision_reason", "defines", "smem_bytes", "rows", "stages_per_step", "STAGES", "AUTO_MAX_BATCH"]
