@@ -292,7 +292,11 @@ def test_gemv_lowp_every_fusion(cp, kind, case, B):
                 y = poison(cp.empty((B, N), cp.float32))
                 gemv(x, lw_gpu, None if epi == "none" else b, out=y, gelu=epi == "gelu", ln=ln)
                 want = R.gemv(x0, lw.w, lw.scale, bias=None if epi == "none" else b0, gelu=epi == "gelu", ln=ref_ln)
-            assert_close(y, want, rtol=t, name=name)
+            rtol = t
+            if epi == "gelu":   # GELU flattens large negative sums to ~0 and passes on the sums' error (|gelu'| <=
+                pre = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=ref_ln)     # 1.13): relative to the sums, not to ~0
+                rtol = t * max(1.0, float(np.linalg.norm(pre) / np.linalg.norm(want)))
+            assert_close(y, want, rtol=rtol, name=name)
     if case == 0:                      # W and scale= as two arguments, and other rows per tile
         for rows in (1, 2):
             y = poison(cp.empty((B, N), cp.float32))
@@ -411,7 +415,7 @@ def test_lowp_wrappers_name_bad_arguments(cp):
         gemv(x, u, b, scale=s)
     with pytest.raises(TypeError, match="W: scale= is for"):
         gemv(x, cp.asarray(w), b, scale=s)
-    with pytest.raises(ValueError, match=r"scale: expected shape \(24,\)"):
+    with pytest.raises(ValueError, match=r"scale: expected shape \(24\)"):
         gemv(x, q, b, scale=s[:5])
     with pytest.raises(TypeError, match="scale: expected dtype float32"):
         gemv(x, q, b, scale=s.astype(cp.float64))
