@@ -126,7 +126,7 @@ def table(rows: list[Row]) -> str:
             f"| {'vs anchor':>22s} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
-        rate = f"{r.rate:,.1f} {r.unit}" if r.rate is not None else ""
+        rate = f"{rate_text(r.rate)} {r.unit}" if r.rate is not None else ""
         frac = f"{r.fraction:.1%} {r.ceiling}" if r.fraction is not None else ""
         anc = f"{r.ratio:.2f}x {r.anchor}" if r.ratio is not None else ""
         lines.append(f"| {r.name:38s} | {r.size:16s} | {r.ms:10.4f} | {rate:>16s} | {frac:>16s} | {anc:>22s} |")
@@ -494,12 +494,20 @@ def ratio_text(ratio: float | None, anchor: str) -> str:
     return f"{shown}× {anchor}" + (" (slower)" if round(ratio, 2) < 1 else "")
 
 
+def rate_text(rate: float) -> str:
+    """A rate as printed: whole numbers from 1,000, one decimal from 1, two significant digits below (a
+    perplexity change of 0.0022 % must not print as 0.0)."""
+    if abs(rate) >= 1000:
+        return f"{rate:,.0f}"
+    return f"{rate:,.1f}" if abs(rate) >= 1 or rate == 0 else f"{rate:.2g}"
+
+
 def cells(row: dict) -> list[str]:
     """size, median ms, rate, of ceiling, vs anchor: as printed on the page."""
     ms, rate, fraction = _num(row.get("ms")), _num(row.get("rate")), _num(row.get("fraction"))
     return [row.get("size", ""),
             "unavailable" if ms is None else f"{ms:.4f}" if ms < 100 else f"{ms:,.1f}",
-            "" if rate is None else f"{rate:,.0f} {row.get('unit', '')}" if rate >= 1000 else f"{rate:,.1f} {row.get('unit', '')}",
+            "" if rate is None else f"{rate_text(rate)} {row.get('unit', '')}",
             "" if fraction is None else f"{fraction:.1%} {row.get('ceiling', '')}",
             ratio_text(_num(row.get("ratio")), row.get("anchor", ""))]
 
