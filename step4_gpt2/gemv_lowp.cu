@@ -25,6 +25,13 @@
 //                round to nearest, scale = max|w_row| / 127). One load brings 16 weights; each is widened
 //                to float and the sum is multiplied by the row's scale once, after the dot product (the
 //                scale is constant along the row, so it factors out of sum_k x[k] q[n,k]).
+//                Widening without a conversion instruction: int -> float (I2F) runs at a quarter of the
+//                FMA rate on recent GPUs, and an int8 weight needs one per weight. Instead, put the byte
+//                (q ^ 0x80 = q + 128, in 0..255) into the low mantissa bits of 2^23 with one byte permute
+//                (__byte_perm): the float 0x4B0000hh is exactly 8388608 + q + 128, and one FADD of
+//                -8388736 leaves q, exactly (every integer below 2^24 is a float). Per weight: a byte
+//                permute (integer pipe) and an FADD (FMA pipe) instead of a shift and an I2F (a quarter-
+//                rate pipe on Hopper).
 //                Why one scale per row and not per group of 64-128 weights: at 8 bits the rounding error of
 //                a weight is at most max|w_row| / 254, and GPT-2's rows have no outliers large enough for a
 //                row's maximum to swamp the rest; per-group scales pay off at 4 bits, where the step is 16x
@@ -36,10 +43,16 @@
 // place the formats differ. Weights travel as uint4 (16 bytes), whatever they hold, so K must be a multiple
 // of 8 (bf16) or 16 (int8) for every row to start 16-byte aligned.
 //
+// Programmatic dependent launch (common/include/pdl.cuh): each GEMV issues its first weight loads, which no
+// kernel writes, then waits for the kernel before it (pdl_wait) before it reads x or writes anything, and lets
+// the next kernel start (pdl_launch_dependents). Launched that way (ops.programmatic, sm_90), the next GEMV's
+// first DRAM round trip overlaps this one's reduction and drain; launched plainly, both calls cost nothing.
+//
 // Compile-time knobs (ops.py passes them; the defaults are its values): MAXB (batch rows per launch), ROWS
 // (output rows per block), UNROLL (16-byte weight loads per row a lane has in flight), MAXWARPS (largest
 // block, in warps: its __launch_bounds__).
 #include "course.cuh"
+#include "pdl.cuh"
 
 #ifndef MAXB
 #define MAXB 8
@@ -65,6 +78,22 @@ __device__ __forceinline__ unsigned word(const uint4& u, int i) {   // i is a co
     return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
 }
 
+// Four int8 weights (the bytes of a, lowest first) as floats, exactly, with no int -> float conversion.
+// a ^ 0x80808080 flips each byte's sign bit: byte q becomes q + 128 as an unsigned byte (0..255). Byte
+// permute i builds the word {that byte, 0x00, 0x00, 0x4B}: the float 2^23 + q + 128 (exponent 2^23, the byte
+// in the lowest mantissa bits). Subtracting 2^23 + 128 = 8388736 is exact: both are integers below 2^24.
+// __byte_perm(x, y, s): result byte n = byte s[4n+2 : 4n] of the 8 bytes {y, x} (x's bytes are 0-3, y's 4-7);
+// here selector 0x754i takes x's byte i, then y's bytes 0, 1 (zeros) and 3 (0x4B).
+#define I8_MAGIC 0x4B000000u            // the float 2^23
+#define I8_OFFSET 8388736.0f            // 2^23 + 128
+__device__ __forceinline__ float4 i8x4_to_float4(unsigned a) {
+    const unsigned b = a ^ 0x80808080u;
+    return make_float4(__uint_as_float(__byte_perm(b, I8_MAGIC, 0x7540)) - I8_OFFSET,
+                       __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7541)) - I8_OFFSET,
+                       __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7542)) - I8_OFFSET,
+                       __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7543)) - I8_OFFSET);
+}
+
 // Weights 4j .. 4j+3 of a 16-byte load, widened to float (matching the float4 number j of x it multiplies).
 template <int WT>
 __device__ __forceinline__ float4 unpack4(const uint4& u, int j) {
@@ -74,10 +103,7 @@ __device__ __forceinline__ float4 unpack4(const uint4& u, int j) {
         return make_float4(__uint_as_float(a << 16), __uint_as_float(a & 0xffff0000u),
                            __uint_as_float(b << 16), __uint_as_float(b & 0xffff0000u));
     } else {
-        // byte i of the word, sign-extended by an arithmetic shift: (int)(a << (24 - 8i)) >> 24
-        const unsigned a = word(u, j);
-        return make_float4((float)((int)(a << 24) >> 24), (float)((int)(a << 16) >> 24),
-                           (float)((int)(a << 8) >> 24), (float)((int)a >> 24));
+        return i8x4_to_float4(word(u, j));
     }
 }
 
@@ -135,6 +161,8 @@ __device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const voi
     int tile = blockIdx.x;
     uint4 w[ROWS][UNROLL];
     if (tile < ntiles) lowp_load(w, Wv, tile * ROWS, N, KV, 0);
+    pdl_wait();                   // every thread, even one without a tile: x and y are the last kernel's
+    pdl_launch_dependents();      // after the wait: at most one kernel runs ahead of the one finishing
     if (LN) {                                                 // as in v5, while the weight loads fly
         const float4* g4 = reinterpret_cast<const float4*>(ln_w);
         const float4* b4 = reinterpret_cast<const float4*>(ln_b);
@@ -203,8 +231,8 @@ __device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const voi
                     if (lane == 0) rd[warp][r][b] = s;
                 }
         __syncthreads();
-        if (threadIdx.x < ROWS * MAXB) {
-            const int r = threadIdx.x / MAXB, b = threadIdx.x % MAXB, n = n0 + r;
+        for (int t = threadIdx.x; t < ROWS * MAXB; t += blockDim.x) {   // a loop: a block may be one warp
+            const int r = t / MAXB, b = t % MAXB, n = n0 + r;               // and ROWS * MAXB more than 32
             if (b < B && n < N) {
                 float s = 0.0f;
                 for (int v = 0; v < nwarps; ++v) s += rd[v][r][b];

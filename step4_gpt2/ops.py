@@ -10,6 +10,8 @@ goes through (steps 2 and 3's attention and LayerNorm kernels are imported here 
         scale= its (N,) row scales (v7), or a quantize.LowpWeight: the dtype picks the kernel
     matmul_lowp(x, W, scale, out)                    prefill with bf16/int8 weights: widen once, then cuBLAS
     argmax(logits, tokens, pos, lens), advance(pos, lens)   greedy choice and position update on the device
+    programmatic()                                   with ops.programmatic(): the kernels above launch with
+                                                     programmatic dependent launch (sm_90; plain elsewhere)
     layernorm, residual_layernorm                    step 3
     flash_attention_qkv, decode_attention            step 2
 
@@ -32,6 +34,7 @@ allocates nothing and never synchronises with the host, so a decode step can be 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from common import (allow_dynamic_smem, device_info, expect_array, expect_choice
                     occupancy, out_array)
 from step2_attention.flash import decode_attention, decode_split_count, flash_attention_qkv  # noqa: F401
 from step3_fused.ops import layernorm, residual_layernorm  # noqa: F401
+from step4_gpt2 import pdl
 from step4_gpt2.quantize import LowpWeight
 
 CU = Path(__file__).resolve().parent / "gpt2.cu"
@@ -60,6 +64,30 @@ LOWP_VERSION = {"bf16": 6, "int8": 7}
 LOWP_PER_LOAD = {"bf16": 8, "int8": 16}     # weights per 16-byte load: K must be a multiple
 LOWP_CU = Path(__file__).resolve().parent / "gemv_lowp.cu"
 NULL = np.uint64(0)     # an unused pointer argument
+_programmatic = False   # set by programmatic()
+
+
+@contextlib.contextmanager
+def programmatic(on: bool = True):
+    """Inside `with ops.programmatic():` this module's kernels (embedding, the GEMVs, argmax, advance) launch
+    with programmatic dependent launch (step4_gpt2/pdl.py) on sm_90 and newer: each may start while the kernel
+    before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads that kernel's output. Below
+    sm_90, and for the kernels of steps 2 and 3 this module re-exports (decode attention, LayerNorm), launches
+    stay plain. Either way the results are the same; a CUDA graph captured inside keeps the early starts."""
+    global _programmatic
+    before, _programmatic = _programmatic, bool(on)
+    try:
+        yield
+    finally:
+        _programmatic = before
+
+
+def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
+    """fn(grid, block, args): through pdl.launch_pdl inside programmatic() on sm_90+, else CuPy's launch."""
+    if _programmatic and device_info()["sm"] >= pdl.PDL_ARCH:
+        pdl.launch_pdl(fn, grid, block, args, shared_mem=shared_mem)
+    else:
+        fn(grid, block, args, shared_mem=shared_mem)
 
 
 def defines(rows: int = ROWS, unroll: int = V5_UNROLL) -> dict:
@@ -88,8 +116,8 @@ def embedding(tokens, positions, wte, wpe, out):
     expect_array(wpe, "wpe", dtype=np.float32, shape=(None, C))
     _index_vector(tokens, "tokens", n)
     _index_vector(positions, "positions", n)
-    kernel("embedding_v2" if C % 4 == 0 else "embedding_v1")(
-        (n,), (min(256, max(32, C // 4)),), (tokens, positions, wte, wpe, out, np.int32(n), np.int32(C)))
+    _launch(kernel("embedding_v2" if C % 4 == 0 else "embedding_v1"),
+            (n,), (min(256, max(32, C // 4)),), (tokens, positions, wte, wpe, out, np.int32(n), np.int32(C)))
     return out
 
 
@@ -171,7 +199,7 @@ def _v5_rows_per_launch(fn, K: int, ln: bool) -> int:
 def _v5_call(fn, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL, per_load=4):
     grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll, per_load)
     allow_dynamic_smem(fn, smem, f"ln: the LayerNorm prologue's {nb} row(s) x {K} floats in shared memory")
-    fn(grid, block, args, shared_mem=smem)
+    _launch(fn, grid, block, args, smem)
 
 
 def _ln_args(ln, K: int, eps: float):
@@ -189,7 +217,7 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
     version None = 5. Only v5 has the other fusions:
       ln=(weight, bias): x is replaced by LayerNorm(x) first (each block normalises it in shared memory);
       residual=True: out += x @ W^T + bias, in place (out is the residual stream, required).
-    rows/unroll: v5's rows per tile and float4s in flight per lane (a module compiled per pair).
+    rows/unroll: v5's rows per tile and 16-byte loads in flight per lane and row (a module compiled per pair).
     W uint16 (bf16 bits) or int8 (with scale=, (N,) float32), or a LowpWeight: gemv_v6 / gemv_v7 (gemv_lowp.cu),
     with every v5 fusion; version None picks the kernel from W's dtype."""
     W, scale = _unpack(W, scale)
@@ -243,9 +271,9 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
     grid, block = _v34_launch(version, N)
     for b0 in range(0, B, MAXB):
         nb = min(MAXB, B - b0)
-        kernel(f"gemv_v{version}<{epi}>")(grid, block, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
-                                                        np.int32(N), np.int32(K), NULL, NULL, NULL,
-                                                        np.int32(0), np.int32(0)))
+        _launch(kernel(f"gemv_v{version}<{epi}>"), grid, block, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
+                                                                np.int32(N), np.int32(K), NULL, NULL, NULL,
+                                                                np.int32(0), np.int32(0)))
     return y
 
 
@@ -286,10 +314,9 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
     grid, block = _v34_launch(version, N)
     for b0 in range(0, B, MAXB):
         nb = min(MAXB, B - b0)
-        kernel(f"gemv_v{version}<EPI_QKV>")(grid, block, (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb),
-                                                          np.int32(N), np.int32(K), k_cache[b0:b0 + nb],
-                                                          v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H),
-                                                          np.int32(L)))
+        _launch(kernel(f"gemv_v{version}<EPI_QKV>"), grid, block,
+                (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), k_cache[b0:b0 + nb],
+                 v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
     return q
 
 
@@ -455,8 +482,8 @@ def argmax(logits, tokens, pos=None, lens=None):
     if adv:
         _index_vector(pos, "pos", B)
         _index_vector(lens, "lens", B)
-    kernel("argmax_v1")((B,), (1024,), (logits, np.int32(V), tokens, pos if adv else tokens,
-                                        lens if adv else tokens, np.int32(adv)))
+    _launch(kernel("argmax_v1"), (B,), (1024,), (logits, np.int32(V), tokens, pos if adv else tokens,
+                                                 lens if adv else tokens, np.int32(adv)))
     return tokens
 
 
@@ -466,7 +493,7 @@ def advance(pos, lens):
     _index_vector(lens, "lens", pos.size)
     if pos.size > 1024:
         raise ValueError(f"pos: advance_v1 is one block of at most 1024 threads, got {pos.size} sequences")
-    kernel("advance_v1")((1,), (max(32, -(-pos.size // 32) * 32),), (pos, lens, np.int32(pos.size)))
+    _launch(kernel("advance_v1"), (1,), (max(32, -(-pos.size // 32) * 32),), (pos, lens, np.int32(pos.size)))
 
 
 # Every kernel name the wrappers above can ask gpt2.cu for (a CPU test compiles each one offline).
@@ -491,4 +518,4 @@ CU_TEMPLATES = {CU: tuple(n for n in KERNEL_NAMES if "<" in n),
 __all__ = ["embedding", "bias_gelu", "kv_cache_fill", "gemv", "gemv_qkv", "argmax", "advance", "layernorm",
            "residual_layernorm", "flash_attention_qkv", "decode_attention", "decode_split_count", "kernel",
            "defines", "KERNEL_NAMES", "matmul_lowp", "dequantize", "lowp_format", "lowp_kernel", "lowp_defines",
-           "LOWP_KERNEL_NAMES", "GEMV_LOWP_VERSIONS"]
+           "LOWP_KERNEL_NAMES", "GEMV_LOWP_VERSIONS", "programmatic"]

@@ -15,6 +15,9 @@ bound:
 with copy_bandwidth measured in the same run (common.copy_bandwidth) and the bytes per token of that precision
 (model.weight_bytes_per_token: the matrices at 4, 2 or 1 bytes per weight, int8's row scales, the fp32 biases and
 LayerNorms). KV-cache reads (fp32, a few MB at this length) are left out of the bound.
+The "CUDA graph + PDL" rungs (sm_90 and newer): the same Decoder with programmatic=True, each kernel of the step
+launched with programmatic dependent launch, so it starts (and issues its first weight loads) while the kernel
+before it drains; timed back to back with a plain graph rung of the same model, its anchor.
 Anchors, same GPU, same process, where torch and transformers are installed: transformers' generate in bf16 on
 a model of the same shape (random weights; its attention the default, SDPA), without compilation (dynamic KV
 cache), and with a static KV cache, with which generate compiles the decoding step (torch.compile) itself; both
@@ -98,11 +101,13 @@ class RandomParams(Mapping):
         return len(self.shapes)
 
 
-def decode_step_s(model, batch: int, steps: int = STEPS, prompt_len: int = PROMPT_LEN) -> float:
-    """Seconds per greedy decode step of lesson 4a's graph Decoder after a prompt of prompt_len random tokens."""
+def decode_step_s(model, batch: int, steps: int = STEPS, prompt_len: int = PROMPT_LEN,
+                  programmatic: bool = False) -> float:
+    """Seconds per greedy decode step of lesson 4a's graph Decoder after a prompt of prompt_len random tokens
+    (programmatic: its kernels launched with programmatic dependent launch)."""
     from step4_gpt2.generate import Decoder
     from step4_gpt2.megakernel.benchmarks import decode_s
-    dec = Decoder(model, batch, prompt_len + steps + 1, True, cuda_graph=True)
+    dec = Decoder(model, batch, prompt_len + steps + 1, True, cuda_graph=True, programmatic=programmatic)
     s = decode_s(dec, random_ids(model.config, batch, prompt_len, seed=batch), steps) / steps
     free(dec)
     return s
@@ -122,6 +127,47 @@ def ladder(name: str, params=None, batches=BATCHES, precisions=PRECISIONS) -> di
             out[(p, B)] = decode_step_s(model, B)
         free(model)
     return out
+
+
+def pdl_available() -> tuple[bool, str]:
+    """Whether this GPU runs programmatic dependent launch (sm_90 and newer), and why not."""
+    from common.device import device_info
+    from step4_gpt2.pdl import PDL_ARCH
+    sm = device_info()["sm"]
+    return sm >= PDL_ARCH, f"programmatic dependent launch needs sm_{PDL_ARCH}; this GPU is sm_{sm}"
+
+
+def pdl_ladder(name: str, params=None, batches=BATCHES, precisions=PRECISIONS) -> dict:
+    """{(precision, batch): (seconds per step of the plain graph, of the graph + PDL)}, the two timed back to back
+    on one model, for GPT-2 shape `name` (random weights unless params are given)."""
+    from step4_gpt2 import weights as W
+    from step4_gpt2.model import GPT
+    cfg = W.GPTConfig.from_name(name)
+    params = params if params is not None else RandomParams(cfg)
+    out = {}
+    for p in precisions:
+        model = GPT(cfg, params, precision=p)
+        for B in batches:
+            out[(p, B)] = (decode_step_s(model, B), decode_step_s(model, B, programmatic=True))
+        free(model)
+    return out
+
+
+def pdl_rows(name: str, pairs: dict, bw: float) -> list[Row]:
+    """The "CUDA graph + PDL" rungs: each against its own bound and against the plain graph rung timed with it."""
+    from step4_gpt2 import weights as W
+    from step4_gpt2.model import weight_bytes_per_token
+    cfg, label = W.GPTConfig.from_name(name), shape_label(name)
+    rows = []
+    for (p, B), (plain, s) in pairs.items():
+        bound = bw * 1e9 / weight_bytes_per_token(cfg, p)
+        rows.append(Row(f"decode {p} b={B} (CUDA graph + PDL)", f"{label}, {STEPS} tok", s * 1e3, B / s, "tok/s",
+                        f"{p} weight-bw bound", 1 / s / bound, "CUDA graph", plain / s))
+        if p != "fp32" and ("fp32", B) in pairs:
+            fp32 = pairs[("fp32", B)][1]
+            rows.append(Row(f"decode {p} b={B} (CUDA graph + PDL) vs fp32", label, s * 1e3, B / s, "tok/s",
+                            anchor=f"fp32 b={B} (CUDA graph + PDL)", ratio=fp32 / s))
+    return rows
 
 
 def ladder_rows(name: str, times: dict, bw: float) -> list[Row]:
@@ -251,6 +297,11 @@ def run() -> list[Row]:
             continue
         times = ladder(name)
         rows += ladder_rows(name, times, bw)
+        ok, why = pdl_available()
+        if ok:
+            rows += pdl_rows(name, pdl_ladder(name), bw)
+        else:
+            print(f"{shape_label(name)} CUDA graph + PDL rows skipped: {why}")
         rows += anchor_rows(name, times)
     rows += quality_rows()
     return rows

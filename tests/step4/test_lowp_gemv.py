@@ -167,6 +167,106 @@ def test_gemv_lowp_cu_compiles_every_instantiation(arch):
     assert not spilled, r.table()
 
 
+# ============================================================================ CPU: int8 widened without I2F
+def byte_perm(x, y, s):
+    """CUDA's __byte_perm(x, y, s) on uint32 arrays (the default mode): result byte n is byte s[4n+2 : 4n] of
+    the eight bytes {y, x}, x's bytes numbered 0-3 from the lowest, y's 4-7."""
+    x, y = np.asarray(x, np.uint64), np.asarray(y, np.uint64)
+    pool = x | (y << np.uint64(32))
+    out = np.zeros(np.broadcast(x, y).shape, np.uint64)
+    for n in range(4):
+        sel = np.uint64((s >> (4 * n)) & 0x7)
+        out |= ((pool >> (np.uint64(8) * sel)) & np.uint64(0xFF)) << np.uint64(8 * n)
+    return out.astype(np.uint32)
+
+
+def _widening_constants():
+    """(XOR mask, magic word, subtracted float, the four selectors) as gemv_lowp.cu's i8x4_to_float4 writes them."""
+    import re
+    from tests.step4.test_pdl import _body, _code
+    from step4_gpt2 import ops
+    src = ops.LOWP_CU.read_text()
+    magic = int(re.search(r"#define I8_MAGIC (0x[0-9A-Fa-f]+)u", src).group(1), 16)
+    offset = float(re.search(r"#define I8_OFFSET ([0-9.]+)f", src).group(1))
+    body = _code(_body(src, "i8x4_to_float4"))
+    xor = int(re.search(r"a \^ (0x[0-9A-Fa-f]+)u", body).group(1), 16)
+    selectors = [int(v, 16) for v in re.findall(r"__byte_perm\(b, I8_MAGIC, (0x[0-9A-Fa-f]+)\)", body)]
+    return xor, magic, offset, selectors
+
+
+def test_int8_widening_by_a_byte_permute_is_exact_for_all_256_values():
+    """A NumPy model of i8x4_to_float4, with the constants read from gemv_lowp.cu: each of the 256 int8 values,
+    in each of the 4 byte positions of a word whose other bytes are random, comes out as exactly that integer
+    in float32 (the FADD of float32 values, rounded to float32 once, as the GPU does)."""
+    xor, magic, offset, selectors = _widening_constants()
+    assert len(selectors) == 4 and xor == 0x80808080
+    q = np.arange(-128, 128, dtype=np.int8)
+    rng = np.random.default_rng(0)
+    for i, sel in enumerate(selectors):
+        words = rng.integers(0, 2**32, q.size, dtype=np.uint64).astype(np.uint32)
+        shift = np.uint32(8 * i)
+        words = (words & ~(np.uint32(0xFF) << shift)) | (q.view(np.uint8).astype(np.uint32) << shift)
+        bits = byte_perm(words ^ np.uint32(xor), np.uint32(magic), sel)
+        got = bits.view(np.float32) - np.float32(offset)           # float32 - float32: one rounding
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, q.astype(np.float32), err_msg=f"byte {i}")
+    assert np.float32(offset) == offset == 2**23 + 128             # exactly representable
+
+
+def test_byte_perm_model_matches_cudas_documented_examples():
+    """The model against __byte_perm's definition on hand-worked words (the model is what the proof rests on)."""
+    x, y = np.uint32(0x44332211), np.uint32(0x88776655)
+    assert byte_perm(x, y, 0x3210) == 0x44332211                  # x itself
+    assert byte_perm(x, y, 0x7654) == 0x88776655                  # y itself
+    assert byte_perm(x, y, 0x0123) == 0x11223344                  # x's bytes reversed
+    assert byte_perm(x, y, 0x7540) == 0x88665511                  # x byte 0, y bytes 0, 1 and 3
+    assert byte_perm(np.uint32(0x000000AB), np.uint32(0x4B000000), 0x7540) == 0x4B0000AB
+
+
+def test_the_int8_kernels_widen_without_conversion_instructions():
+    """In the PTX for sm_90: gemv_v7's and dequant_int8_v1's weights are widened by byte permutes (prmt), 16 per
+    16-byte load, with no int -> float conversion (cvt.rn.f32.s32) left but the LayerNorm prologue's one (K as
+    a float). What only a GPU can show is the time this saves (python -m step4_gpt2.lab.lowp_launch)."""
+    from tests.step4.test_pdl import _ptx_entries
+    from step4_gpt2 import ops
+    names = [n for n in ops.LOWP_KERNEL_NAMES if n.startswith("gemv_v7") or n == "dequant_int8_v1"]
+    entries = _ptx_entries(ops.LOWP_CU, 90, names)
+    loads = ops.V5_ROWS * ops.V5_UNROLL                              # the file's defaults: 16-byte loads per lane
+    for n in names:
+        ln = n.endswith("true>")
+        assert entries[n].count("cvt.rn.f32.s32") == (1 if ln else 0), n
+        assert entries[n].count("prmt.b32") == 16 * (1 if n == "dequant_int8_v1" else loads), n
+
+
+# ============================================================================ CPU: the launch-shape lab
+def test_the_lowp_launch_lab_sweeps_within_v5s_register_budget():
+    from step4_gpt2 import ops
+    from step4_gpt2.lab import lowp_launch as lab
+    from step4_gpt2.weights import GPTConfig
+    pairs = lab.choices()
+    assert (ops.V5_ROWS, ops.V5_UNROLL) in pairs and len(set(pairs)) == len(pairs)
+    assert all(r * u <= ops.V5_ROWS * ops.V5_UNROLL for r, u in pairs) and {u for _, u in pairs} == {1, 2, 4}
+    m = lab.matrices(GPTConfig.from_name("gpt2-xl"))
+    assert m["c_fc"][:2] == (6400, 1600) and m["mlp_proj"][:2] == (1600, 6400) and m["lm_head"][:2] == (50257, 1600)
+    assert all(K % 16 == 0 for _, K, _ in m.values())                # every shape takes int8's 16-byte loads
+
+
+@pytest.mark.parametrize("rows, unroll", [(4, 1), (8, 2)])
+def test_gemv_lowp_cu_compiles_for_the_labs_launch_shapes(rows, unroll):
+    """The lab's other (ROWS, UNROLL) modules compile for sm_90 without warnings (sm_70 .. sm_90 at the
+    defaults: test_gemv_lowp_cu_compiles_every_instantiation). Spills are allowed here -- ptxas holds (4, 1)'s
+    LayerNorm instantiations of gemv_v7 to 80 registers with a few spilled; the lab's times include that."""
+    pytest.importorskip("cupy")
+    from common import kernels as K
+    from step4_gpt2 import ops
+    if 90 not in K.supported_archs():
+        pytest.skip("this NVRTC cannot target sm_90")
+    r = K.compile_offline(ops.LOWP_CU, 90, ops.lowp_defines(rows, unroll),
+                          name_expressions=ops.CU_TEMPLATES[ops.LOWP_CU])
+    assert not r.warnings, r.warnings
+    assert set(ops.LOWP_KERNEL_NAMES) <= set(r.kernels), r.table()
+
+
 # ============================================================================ CPU: bf16 weight files
 def _write_safetensors(path, tensors: dict, bf16=()):
     """A safetensors file written by hand (the format: an 8-byte header length, a JSON header, the data), so a
@@ -297,11 +397,32 @@ def test_gemv_lowp_every_fusion(cp, kind, case, B):
                 pre = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=ref_ln)     # 1.13): relative to the sums, not to ~0
                 rtol = t * max(1.0, float(np.linalg.norm(pre) / np.linalg.norm(want)))
             assert_close(y, want, rtol=rtol, name=name)
-    if case == 0:                      # W and scale= as two arguments, and other rows per tile
-        for rows in (1, 2):
+    if case == 0:                      # W and scale= as two arguments, and other rows per tile (8: a one-warp
+        for rows in (1, 2, 8):         # block stores ROWS * MAXB = 64 outputs in two passes)
             y = poison(cp.empty((B, N), cp.float32))
             gemv(x, lw_gpu.w, b, out=y, scale=lw_gpu.scale, rows=rows)
             assert_close(y, R.gemv(x0, lw.w, lw.scale, bias=b0), rtol=tol, name=f"{kind} rows={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_gemv_lowp_every_launch_shape_the_lab_times(cp, kind):
+    """step4_gpt2/lab/lowp_launch.py's (ROWS, UNROLL) choices against the reference, LayerNorm prologue and GELU
+    epilogue, batch 1 and 11, on a shape whose rows take 1-2 warps and more tiles than one block."""
+    from step4_gpt2.lab.lowp_launch import choices
+    from step4_gpt2.ops import gemv
+    N, K = SHAPES[kind][1]
+    lw_gpu, lw = _stored(cp, _weights(N, K, 9), kind)
+    rng = np.random.default_rng(9)
+    b0, g0, o0 = (rng.uniform(-1, 1, n).astype(np.float32) for n in (N, K, K))
+    b, g, o = (cp.asarray(a) for a in (b0, g0, o0))
+    for B in (1, 11):
+        x0 = rng.uniform(-1, 1, (B, K)).astype(np.float32) * 3 + 0.5
+        want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=(g0, o0))
+        for rows, unroll in choices():
+            y = poison(cp.empty((B, N), cp.float32))
+            gemv(cp.asarray(x0), lw_gpu, b, out=y, ln=(g, o), rows=rows, unroll=unroll)
+            assert_close(y, want, rtol=1e-5, name=f"{kind} B={B} ROWS={rows} UNROLL={unroll}")
 
 
 @gpu
@@ -439,3 +560,22 @@ def test_lowp_wrappers_name_bad_arguments(cp):
                  cp.empty((B, 2, 4, 4), cp.float32), cp.zeros(B, cp.int32))
     with pytest.raises(ValueError, match="scale: int8 weights need"):
         matmul_lowp(x, q)
+
+
+@gpu
+@pytest.mark.sanitize
+def test_int8_widening_on_the_gpu_is_exact_for_all_256_values(cp):
+    """The byte-permute widening on the device, bit for bit: dequant_int8_v1 gives every int8 value times a unit
+    scale as itself, and times a random scale as float32's one rounding of the product; gemv_v7 with one-hot x
+    rows (one launch per 8 of the 256 columns) returns q's columns exactly."""
+    from step4_gpt2.ops import dequantize, gemv
+    q = np.stack([np.random.default_rng(i).permutation(np.arange(-128, 128)).astype(np.int8) for i in range(7)])
+    dq = cp.asarray(q)
+    out = poison(cp.empty((7, 256), cp.float32))
+    np.testing.assert_array_equal(dequantize(dq, cp.ones(7, cp.float32), out=out).get(), q.astype(np.float32))
+    s = rand(7, seed=1, low=0.001, high=2.0)
+    out = poison(cp.empty((7, 256), cp.float32))
+    np.testing.assert_array_equal(dequantize(dq, cp.asarray(s), out=out).get(), q.astype(np.float32) * s[:, None])
+    y = poison(cp.empty((256, 7), cp.float32))
+    gemv(cp.eye(256, dtype=cp.float32), dq, out=y, scale=cp.ones(7, cp.float32))
+    np.testing.assert_array_equal(y.get(), q.T.astype(np.float32))

@@ -234,3 +234,283 @@ def test_chain_captured_in_a_graph_replays_right_on_fresh_inputs(n, steps):
     edges = _programmatic_edges(recorded.graph)
     if edges is not None:
         assert edges == steps - 1                                    # every PDL launch kept its early start
+
+
+# ============================================================================ CPU: the decode step's kernels
+# Every kernel a decode step launches through step4_gpt2/ops.py, by the .cu that defines it, with the names in
+# its body that hold another kernel's output (its activations, caches, tokens, positions): none may be read
+# before pdl_wait(). Weights (W, bias, LayerNorm parameters, wte, wpe) may.
+DECODE_KERNELS = {
+    "step4_gpt2/gpt2.cu": {"embedding_v1": ("tokens", "positions", "out", "te", "pe"),
+                           "embedding_v2": ("tokens", "positions", "out", "te", "pe", "o"),
+                           "gemv_v3": ("x", "x4", "y", "k_cache", "v_cache", "pos"),
+                           "gemv_v4": ("x", "x4", "y", "k_cache", "v_cache", "pos"),
+                           "gemv_v5": ("x", "x4", "y", "k_cache", "v_cache", "pos", "xs4"),
+                           "argmax_v1": ("logits", "tokens", "pos", "lens", "row"),
+                           "advance_v1": ("pos", "lens")},
+    "step4_gpt2/gemv_lowp.cu": {"gemv_lowp": ("x", "x4", "y", "k_cache", "v_cache", "pos", "xs4")},
+}
+
+
+def _body(src: str, name: str) -> str:
+    """The body of function `name` (its first definition: `name(...) {` ... the matching `}`)."""
+    import re
+    m = re.search(rf"\b{name}\s*\([^;{{]*\)\s*{{", src)
+    assert m, f"no definition of {name}"
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(src[i], 0)
+        i += 1
+    return src[m.end():i - 1]
+
+
+def _code(text: str) -> str:
+    """C++ without its // comments (which may name anything)."""
+    return "\n".join(line.split("//")[0] for line in text.splitlines())
+
+
+def _wait_problems(body: str, outputs) -> list[str]:
+    """What breaks pdl.cuh's rules in a kernel body, read as text (see the test below for what that proves)."""
+    import re
+    body = _code(body)
+    if body.count("pdl_wait();") != 1 or body.count("pdl_launch_dependents();") != 1:
+        return ["not exactly one pdl_wait() and one pdl_launch_dependents()"]
+    before, after = body.split("pdl_wait();")
+    problems = []
+    if not after.lstrip().startswith("pdl_launch_dependents();"):
+        problems.append("pdl_launch_dependents() does not follow pdl_wait()")
+    if before.count("{") != before.count("}") or re.search(r"\b(if|for|while)\s*\([^;{}]*\)\s*$", before):
+        problems.append("pdl_wait() is inside a block or under a condition: some threads may skip it")
+    if re.search(r"\breturn\b", before):
+        problems.append("a thread may return before pdl_wait()")
+    uses = re.sub(r"reinterpret_cast<[^>]*>\(\s*\w+\s*\)", "", before)       # a pointer formed, not read
+    uses = re.sub(r"extern __shared__ [\w ]+\b\w+\[\];", "", uses)              # shared memory declared
+    uses = re.sub(r"(\w)\*\s*\w+\s*=(?!=)", r"\1* =", uses)                      # a pointer declared: T* p =
+    named = [v for v in outputs if re.search(rf"(?<![.\w]){v}\b", uses)]       # not blockIdx.x
+    if named:
+        problems.append(f"{named} used before pdl_wait()")
+    return problems
+
+
+@pytest.mark.parametrize("path, name", [(p, k) for p, ks in DECODE_KERNELS.items() for k in ks])
+def test_every_decode_kernel_waits_before_it_reads_another_kernels_output(path, name):
+    """A textual check of pdl.cuh's rules, per kernel: pdl_wait() is called once, at the top level of the body
+    (every thread reaches it: not inside an if or a loop, no return before it), then pdl_launch_dependents();
+    before the wait, the names that hold another kernel's output appear only inside reinterpret_cast<...>(),
+    which forms a pointer without reading through it, or as the name a pointer is declared with (T* p = ...).
+    What it does not prove: that a helper called before the wait (v5_load, lowp_load) reads only weights --
+    they take only the weight pointer, which the check sees -- or what the compiler does with the order (the
+    PTX test below looks at that for sm_90)."""
+    from common.kernels import ROOT
+    assert _wait_problems(_body((ROOT / path).read_text(), name), DECODE_KERNELS[path][name]) == []
+
+
+@pytest.mark.parametrize("body, says", [
+    ("const float v = x[i]; pdl_wait(); pdl_launch_dependents();", "['x'] used"),
+    ("float4 a = __ldg(x4 + k); pdl_wait(); pdl_launch_dependents();", "['x4'] used"),
+    ("if (i >= n) return; pdl_wait(); pdl_launch_dependents();", "return before"),
+    ("if (i < n) { pdl_wait(); pdl_launch_dependents(); }", "inside a block"),
+    ("if (i < n) pdl_wait(); pdl_launch_dependents();", "inside a block"),
+    ("pdl_wait(); y[0] = 1; pdl_launch_dependents();", "does not follow"),
+    ("y[0] = 1;", "not exactly one")])
+def test_the_textual_check_catches_what_it_claims_to(body, says):
+    problems = _wait_problems(body, ("x", "x4", "y"))
+    assert any(says in p for p in problems), problems
+    assert _wait_problems("const float4* x4 = reinterpret_cast<const float4*>(x); const int i = blockIdx.x;\n"
+                          "pdl_wait(); pdl_launch_dependents(); y[i] = x4[i].x;", ("x", "x4", "y")) == []
+
+
+def test_the_decode_kernels_have_the_instructions_on_sm_90():
+    """What the compiler made of it, in the PTX for compute_90 of every instantiation the wrappers launch (with
+    ops.py's defines): griddepcontrol.wait and .launch_dependents are there (pdl.cu's test shows them absent
+    below sm_90), and the v5 / v6 / v7 GEMVs issue all ROWS x UNROLL streamed weight loads of their first tile
+    (ld.global.cs) before the wait. ptxas may still schedule them later; only a profile on the GPU shows that."""
+    from step4_gpt2 import ops
+    wanted = {ops.CU: [n for n in ops.KERNEL_NAMES if n.split("<")[0] in DECODE_KERNELS["step4_gpt2/gpt2.cu"]],
+              ops.LOWP_CU: [n for n in ops.LOWP_KERNEL_NAMES if n.startswith("gemv_v")]}
+    for path, names in wanted.items():
+        d = ops.CU_DEFINES[path]
+        entries = _ptx_entries(path, 90, names, d)
+        missing = [n for n in names if "griddepcontrol.wait" not in entries[n]
+                   or "griddepcontrol.launch_dependents" not in entries[n]]
+        assert not missing, f"{path.name}: no griddepcontrol in {missing}"
+        first_tile = d["ROWS"] * d.get("UNROLL", d.get("V5_UNROLL"))
+        for n in names:
+            if n.startswith(("gemv_v5", "gemv_v6", "gemv_v7")):
+                early = entries[n][:entries[n].index("griddepcontrol.wait")].count("ld.global.cs")
+                assert early == first_tile, f"{n}: {early} weight loads before the wait, not {first_tile}"
+
+
+def _ptx_entries(path, arch: int, names, defines=None) -> dict:
+    """{name: the PTX of its .entry} for kernels `names` (extern "C" or template instantiations) of a .cu,
+    compiled by NVRTC for compute_<arch> with `defines` (else the file's own defaults)."""
+    import re
+    from common.device import nvrtc
+    from common.kernels import INCLUDE, _define_options, _runtime_include
+    nv = nvrtc()
+    prog = nv.createProgram(path.read_text(), path.name, (), ())
+    try:
+        for n in names:
+            if "<" in n:
+                nv.addNameExpression(prog, n)
+        nv.compileProgram(prog, (f"--gpu-architecture=compute_{arch}", "--std=c++17", f"-I{INCLUDE}",
+                                 f"-I{_runtime_include()}", *_define_options(defines)))
+        ptx = nv.getPTX(prog)
+        lowered = {n: nv.getLoweredName(prog, n) if "<" in n else n for n in names}
+    finally:
+        nv.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    parts = re.split(r"\.entry\s+", ptx)[1:]
+    entries = {p[:p.index("(")].strip(): p for p in parts}
+    return {n: entries[lowered[n]] for n in names}
+
+
+def test_programmatic_routes_the_launches_only_inside_and_on_sm_90(monkeypatch):
+    """ops.programmatic(): launches go through pdl.launch_pdl inside it on sm_90+, through CuPy's launch
+    outside it and below sm_90; the switch is restored on the way out, an error included."""
+    from step4_gpt2 import ops
+    calls = []
+
+    class Kernel:
+        def __call__(self, grid, block, args, shared_mem=0):
+            calls.append(("plain", grid, block, shared_mem))
+    monkeypatch.setattr(ops.pdl, "launch_pdl", lambda fn, grid, block, args, shared_mem=0:
+                        calls.append(("pdl", grid, block, shared_mem)))
+    for sm, inside in ((90, "pdl"), (100, "pdl"), (80, "plain"), (75, "plain")):
+        monkeypatch.setattr(ops, "device_info", lambda sm=sm: {"sm": sm})
+        calls.clear()
+        ops._launch(Kernel(), (3,), (64,), (), 128)
+        with ops.programmatic():
+            ops._launch(Kernel(), (3,), (64,), (), 128)
+            with ops.programmatic(False):
+                ops._launch(Kernel(), (1,), (32,), ())
+            ops._launch(Kernel(), (2,), (32,), ())
+        ops._launch(Kernel(), (1,), (32,), ())
+        assert [c[0] for c in calls] == ["plain", inside, "plain", inside, "plain"], sm
+        assert calls[1][1:] == ((3,), (64,), 128)
+    with pytest.raises(ZeroDivisionError):
+        with ops.programmatic():
+            1 / 0
+    assert ops._programmatic is False
+
+
+def test_the_decoder_takes_the_switch_and_keeps_one_decoder_per_setting():
+    """generate()'s decoder_options reach Decoder(programmatic=...), and make_decoder keys on them, so a graph
+    captured with programmatic launches is never replayed for a call without (read from the signatures)."""
+    import inspect
+    from step4_gpt2 import generate as G
+    assert inspect.signature(G.Decoder).parameters["programmatic"].default is False
+    assert "decoder_options" in inspect.signature(G.generate).parameters
+    assert "options.items()" in inspect.getsource(G.make_decoder)
+
+
+def test_the_ladder_gains_pdl_rungs_against_their_bound_and_the_plain_graph():
+    from step4_gpt2 import weights as W
+    from step4_gpt2.model import weight_bytes_per_token
+    from step4_gpt2.precision import benchmarks as PB
+    pairs = {(p, b): (t, 0.8 * t) for p, t in zip(PB.PRECISIONS, (3e-3, 2e-3, 1.5e-3)) for b in (1, 8)}
+    bw = 4000.0
+    rows = PB.pdl_rows("gpt2-xl", pairs, bw)
+    cfg = W.GPTConfig.from_name("gpt2-xl")
+    rungs = [r for r in rows if r.name.endswith("(CUDA graph + PDL)")]
+    assert len(rungs) == 6
+    for r in rungs:
+        p = r.name.split()[1]
+        assert r.ceiling == f"{p} weight-bw bound" and r.anchor == "CUDA graph"
+        assert r.fraction == pytest.approx(weight_bytes_per_token(cfg, p) / (r.ms / 1e3) / (bw * 1e9))
+        assert r.ratio == pytest.approx(1 / 0.8)
+    vs = {r.name: r.ratio for r in rows if r.name.endswith("vs fp32")}
+    assert vs["decode int8 b=1 (CUDA graph + PDL) vs fp32"] == pytest.approx(3e-3 / 1.5e-3)
+    assert not any(r.target for r in rows)                      # the targets stay on the plain graph's rows
+
+
+# ============================================================================ GPU (sm_90): the decode step
+def _decode_run(model, lens, steps, plan, programmatic, cuda_graph=True, seed=0):
+    """Greedy decode of random prompts of `lens` tokens with lesson 4a's Decoder: every step's tokens (host) and
+    logits (host), one step at a time (pipeline depth 1, so the logits read are that step's)."""
+    from step4_gpt2.generate import Decoder, pad_prompts
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(0, model.config.vocab_size, n)) for n in lens]
+    dec = Decoder(model, len(lens), max(lens) + steps, True, cuda_graph=cuda_graph, plan=plan,
+                  programmatic=programmatic)
+    dec.pipeline_depth = 1
+    tokens, logits = [dec.prefill(pad_prompts(prompts), lens)], []
+    with dec.stream:                      # on the decoder's stream: its first step writes after the poison
+        poison(dec.state.logits)
+    for t in dec.decode(steps):
+        tokens.append(t)
+        logits.append(dec.state.logits.get())
+    return tokens, logits, dec
+
+
+PDL_TINY = dict(n_layer=2, n_head=4, n_embd=128, vocab_size=1001, block_size=256)   # V: not a tile multiple
+
+
+@gpu
+@pytest.mark.parametrize("plan", ["fused", "split"])
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_greedy_decode_with_pdl_equals_without(precision, B, plan):
+    """Token for token, logits within 1e-6, every step; the longest prompt crosses the cache length where
+    decode attention switches from v1 to v2 (split + combine), so both graphs run."""
+    from step4_gpt2 import weights as W
+    from step4_gpt2.model import GPT
+    _skip_below_sm90()
+    cfg = W.GPTConfig(**PDL_TINY)
+    model = GPT(cfg, W.random_weights(cfg, seed=B, notice=False), precision=precision)
+    lens = [124] + [int(n) for n in np.random.default_rng(B).integers(2, 124, B - 1)]
+    steps = 12
+    want_t, want_l, _ = _decode_run(model, lens, steps, plan, programmatic=False)
+    got_t, got_l, dec = _decode_run(model, lens, steps, plan, programmatic=True)
+    assert dec.info["attention_versions"] == {1, 2}
+    assert all(np.array_equal(a, b) for a, b in zip(got_t, want_t))
+    for k, (g, w) in enumerate(zip(got_l, want_l)):
+        assert_close(g, w.astype(np.float64), rtol=1e-6, name=f"{precision} b={B} {plan} logits, step {k}")
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_eager_decode_with_pdl_equals_the_plain_graph(precision):
+    from step4_gpt2 import weights as W
+    from step4_gpt2.model import GPT
+    _skip_below_sm90()
+    cfg = W.GPTConfig(**PDL_TINY)
+    model = GPT(cfg, W.random_weights(cfg, seed=3, notice=False), precision=precision)
+    lens = [5, 40, 17]
+    want_t, want_l, _ = _decode_run(model, lens, 8, None, programmatic=False)
+    got_t, got_l, _ = _decode_run(model, lens, 8, None, programmatic=True, cuda_graph=False)
+    assert all(np.array_equal(a, b) for a, b in zip(got_t, want_t))
+    assert_close(got_l[-1], want_l[-1].astype(np.float64), rtol=1e-6, name=f"{precision} eager + PDL")
+
+
+@gpu
+@pytest.mark.parametrize("plan", ["fused", "split"])
+def test_the_captured_decode_step_keeps_programmatic_edges(plan):
+    """Recorded as the Decoder captures it: the edges into our own kernels are programmatic ones (the edge into a
+    kernel after step 2's or 3's plain launches may be either); without programmatic(), none is."""
+    from common.graphs import record_graph
+    from step4_gpt2 import ops
+    from step4_gpt2 import weights as W
+    from step4_gpt2.model import GPT
+    _skip_below_sm90()
+    cfg = W.GPTConfig(**PDL_TINY)
+    model = GPT(cfg, W.random_weights(cfg, seed=5, notice=False))
+    _, _, dec = _decode_run(model, [9, 9], 2, plan, programmatic=True)
+    s, L = dec.state, cfg.n_layer
+
+    def step(on):
+        with ops.programmatic(on):
+            model.decode_step(s, greedy=True, attention_version=1, plan=plan)
+    counts = {}
+    for on in (False, True):
+        graph, _ = record_graph(lambda: step(on), dec.stream)
+        counts[on] = _programmatic_edges(graph.graph)
+    if counts[True] is None:
+        pytest.skip("this driver has no cuGraphGetEdges_v2 (CUDA 12.3): edge types cannot be read")
+    assert counts[False] == 0
+    # Edges between two of our kernels are programmatic for sure; one from step 2's or 3's plain kernels into
+    # ours may be either. fused, per block: qkv <- embedding or mlp_proj, c_fc <- c_proj, mlp_proj <- c_fc sure,
+    # c_proj <- attention either; then lm_head <- mlp_proj, argmax <- lm_head. split, per block: mlp_proj <-
+    # c_fc sure, qkv, c_proj and c_fc after a LayerNorm or attention either; lm_head either, argmax sure.
+    sure = {"fused": 3 * L + 2, "split": L + 1}[plan]
+    assert sure <= counts[True] <= 4 * L + 2, counts
