@@ -66,16 +66,18 @@ def test_supports_asks_for_greedy_and_a_batch_it_takes():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_low_precision_models_are_refused(precision):
-    """The kernel reads every block matrix as fp32: a GPT(precision="bf16"/"int8") model is refused by name
-    before any GPU call (it would read bf16 bits or int8 codes as floats), and auto-selection skips it."""
+def test_low_precision_models_are_refused_by_v1_only(precision):
+    """v1 reads fp32 weights: a GPT(precision="bf16"/"int8") model is refused by name before any GPU call (it
+    would read bf16 bits or int8 codes as floats); v2 takes it (tests/step4/test_megakernel_lowp.py), and
+    auto-selection keeps to AUTO_PRECISIONS."""
     from types import SimpleNamespace
-    model = SimpleNamespace(config=G124, precision=precision)
+    model = SimpleNamespace(config=G124, precision=precision, lm_head_precision=precision)
     assert M.precision_reason(SimpleNamespace(config=G124, precision="fp32")) is None
     assert M.precision_reason(SimpleNamespace(config=G124)) is None            # models before lesson 4f: fp32
-    with pytest.raises(ValueError, match=rf"model: the megakernel reads fp32 weights.*{precision}"):
-        M.MegakernelDecoder(model, 1, 40)
-    assert M.supports(model, 1, True) is False
+    assert M.precision_reason(model) is None and M.precision_reason(model, 2) is None
+    with pytest.raises(ValueError, match=rf"version: megakernel v1 reads fp32 weights.*{precision}"):
+        M.MegakernelDecoder(model, 1, 40, version=1)
+    assert precision not in M.AUTO_PRECISIONS and M.supports(model, 1, True) is False      # no GPU asked
 
 
 def test_the_reading_path_imports_nothing_from_the_lab():
@@ -295,22 +297,6 @@ def test_fallback_when_the_blocks_cannot_all_be_resident(cp, monkeypatch):
     assert gen.mode == "graph"
     with pytest.raises(M.MegakernelUnavailable, match="resident"):
         generate(model, prompts, 30, stop_at_eos=False, decoder=M.MegakernelDecoder)
-
-
-@gpu
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_a_low_precision_model_is_refused_and_decodes_on_the_graph_path(cp, precision):
-    """A real GPT(precision=...) (lesson 4f): supports() says no, so `--decode auto` takes the graph decode, and
-    the megakernel asked for by name refuses it before it could read bf16 bits or int8 codes as floats."""
-    from step4_gpt2.generate import generate
-    from step4_gpt2.model import GPT
-    _, params, _ = _model(SMALL4)
-    model = GPT(SMALL4, params, precision=precision)
-    prompts = _prompts(SMALL4, 1)
-    assert not M.supports(model, 1, True)
-    with pytest.raises(ValueError, match=f"model: the megakernel reads fp32 weights.*{precision}"):
-        generate(model, prompts, 8, stop_at_eos=False, decoder=M.MegakernelDecoder)
-    assert generate(model, prompts, 8, stop_at_eos=False).mode == "graph"
 
 
 @gpu
