@@ -53,6 +53,7 @@
 // block, in warps: its __launch_bounds__).
 #include "course.cuh"
 #include "pdl.cuh"
+#include "lowp.cuh"         // word, bf16x4_to_float4, i8x4_to_float4: the widening
 
 #ifndef MAXB
 #define MAXB 8
@@ -74,34 +75,12 @@ enum { W_BF16 = 1, W_I8 = 2 };
 // Weights per 16-byte load.
 template <int WT> struct WeightFormat { static constexpr int PER_LOAD = WT == W_BF16 ? 8 : 16; };
 
-__device__ __forceinline__ unsigned word(const uint4& u, int i) {   // i is a compile-time constant after unrolling
-    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
-}
-
-// Four int8 weights (the bytes of a, lowest first) as floats, exactly, with no int -> float conversion.
-// a ^ 0x80808080 flips each byte's sign bit: byte q becomes q + 128 as an unsigned byte (0..255). Byte
-// permute i builds the word {that byte, 0x00, 0x00, 0x4B}: the float 2^23 + q + 128 (exponent 2^23, the byte
-// in the lowest mantissa bits). Subtracting 2^23 + 128 = 8388736 is exact: both are integers below 2^24.
-// __byte_perm(x, y, s): result byte n = byte s[4n+2 : 4n] of the 8 bytes {y, x} (x's bytes are 0-3, y's 4-7);
-// here selector 0x754i takes x's byte i, then y's bytes 0, 1 (zeros) and 3 (0x4B).
-#define I8_MAGIC 0x4B000000u            // the float 2^23
-#define I8_OFFSET 8388736.0f            // 2^23 + 128
-__device__ __forceinline__ float4 i8x4_to_float4(unsigned a) {
-    const unsigned b = a ^ 0x80808080u;
-    return make_float4(__uint_as_float(__byte_perm(b, I8_MAGIC, 0x7540)) - I8_OFFSET,
-                       __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7541)) - I8_OFFSET,
-                       __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7542)) - I8_OFFSET,
-                       __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7543)) - I8_OFFSET);
-}
-
 // Weights 4j .. 4j+3 of a 16-byte load, widened to float (matching the float4 number j of x it multiplies).
 template <int WT>
 __device__ __forceinline__ float4 unpack4(const uint4& u, int j) {
     if constexpr (WT == W_BF16) {
         // little-endian: the lower 16 bits of a word hold the earlier weight
-        const unsigned a = word(u, 2 * j), b = word(u, 2 * j + 1);
-        return make_float4(__uint_as_float(a << 16), __uint_as_float(a & 0xffff0000u),
-                           __uint_as_float(b << 16), __uint_as_float(b & 0xffff0000u));
+        return bf16x4_to_float4(word(u, 2 * j), word(u, 2 * j + 1));
     } else {
         return i8x4_to_float4(word(u, j));
     }

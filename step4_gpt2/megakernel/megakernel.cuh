@@ -49,6 +49,7 @@
 // version's file.
 #pragma once
 #include "course.cuh"
+#include "lowp.cuh"           // word, bf16x4_to_float4, i8x4_to_float4: the widening of bf16 / int8 weights
 
 #ifndef NB
 #define NB 1
@@ -230,11 +231,7 @@ template <bool KEEP> __device__ __forceinline__ unsigned ld_weight(const unsigne
 // ------------------------------------------------------------------------------------------ weight formats
 // Fmt<WT>: V, what a lane loads at once (16 bytes); PER, the weights in it; unpack4(v, j), weights 4j .. 4j+3
 // of v widened to float (they multiply float4 number j of the input that v covers); V4 and widen4, four weights
-// (one float4 column of the MLP's down projection). The bit operations are gemv_lowp.cu's unpack4: a bf16 is the
-// top half of a float32 (a shift); an int8 is sign-extended by an arithmetic shift, then converted.
-__device__ __forceinline__ unsigned word(const uint4& u, int i) {   // i is a compile-time constant after unrolling
-    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
-}
+// (one float4 column of the MLP's down projection). The widening is common/include/lowp.cuh's, as in gemv_lowp.cu.
 template <int WT> struct Fmt;
 template <> struct Fmt<W_F32> {
     using V = float4;
@@ -248,8 +245,7 @@ template <> struct Fmt<W_BF16> {
     using V4 = uint2;
     static constexpr int PER = 8, BYTES = 2;
     static __device__ __forceinline__ float4 widen4(const uint2& v) {   // little-endian: the low half comes first
-        return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                           __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+        return bf16x4_to_float4(v.x, v.y);
     }
     static __device__ __forceinline__ float4 unpack4(const uint4& u, int j) {
         return widen4(make_uint2(word(u, 2 * j), word(u, 2 * j + 1)));
@@ -259,10 +255,7 @@ template <> struct Fmt<W_I8> {
     using V = uint4;
     using V4 = unsigned;
     static constexpr int PER = 16, BYTES = 1;
-    static __device__ __forceinline__ float4 widen4(unsigned a) {     // byte i: (int)(a << (24 - 8i)) >> 24
-        return make_float4((float)((int)(a << 24) >> 24), (float)((int)(a << 16) >> 24),
-                           (float)((int)(a << 8) >> 24), (float)((int)a >> 24));
-    }
+    static __device__ __forceinline__ float4 widen4(unsigned a) { return i8x4_to_float4(a); }
     static __device__ __forceinline__ float4 unpack4(const uint4& u, int j) { return widen4(word(u, j)); }
 };
 __device__ __forceinline__ float4 vzero(float4) { return make_float4(0.f, 0.f, 0.f, 0.f); }

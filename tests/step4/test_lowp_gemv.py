@@ -181,11 +181,12 @@ def byte_perm(x, y, s):
 
 
 def _widening_constants():
-    """(XOR mask, magic word, subtracted float, the four selectors) as gemv_lowp.cu's i8x4_to_float4 writes them."""
+    """(XOR mask, magic word, subtracted float, the four selectors) as common/include/lowp.cuh's i8x4_to_float4
+    writes them (gemv_lowp.cu and the megakernel widen through it)."""
     import re
+    from common.kernels import INCLUDE
     from tests.step4.test_pdl import _body, _code
-    from step4_gpt2 import ops
-    src = ops.LOWP_CU.read_text()
+    src = (INCLUDE / "lowp.cuh").read_text()
     magic = int(re.search(r"#define I8_MAGIC (0x[0-9A-Fa-f]+)u", src).group(1), 16)
     offset = float(re.search(r"#define I8_OFFSET ([0-9.]+)f", src).group(1))
     body = _code(_body(src, "i8x4_to_float4"))
@@ -195,7 +196,7 @@ def _widening_constants():
 
 
 def test_int8_widening_by_a_byte_permute_is_exact_for_all_256_values():
-    """A NumPy model of i8x4_to_float4, with the constants read from gemv_lowp.cu: each of the 256 int8 values,
+    """A NumPy model of i8x4_to_float4, with the constants read from common/include/lowp.cuh: each of the 256 int8 values,
     in each of the 4 byte positions of a word whose other bytes are random, comes out as exactly that integer
     in float32 (the FADD of float32 values, rounded to float32 once, as the GPU does)."""
     xor, magic, offset, selectors = _widening_constants()
