@@ -408,8 +408,8 @@ gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* _
                     if (lane == 0) rd[warp][r][b] = s;
                 }
         __syncthreads();
-        if (threadIdx.x < ROWS * MAXB) {
-            const int r = threadIdx.x / MAXB, b = threadIdx.x % MAXB, n = n0 + r;
+        for (int t = threadIdx.x; t < ROWS * MAXB; t += blockDim.x) {   // a loop: a block may be one warp
+            const int r = t / MAXB, b = t % MAXB, n = n0 + r;               // and ROWS * MAXB more than 32
             if (b < B && n < N) {
                 float s = 0.0f;
                 for (int v = 0; v < nwarps; ++v) s += rd[v][r][b];

@@ -73,7 +73,9 @@ def programmatic(on: bool = True):
     with programmatic dependent launch (step4_gpt2/pdl.py) on sm_90 and newer: each may start while the kernel
     before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads that kernel's output. Below
     sm_90, and for the kernels of steps 2 and 3 this module re-exports (decode attention, LayerNorm), launches
-    stay plain. Either way the results are the same; a CUDA graph captured inside keeps the early starts."""
+    stay plain. Either way the results are the same, as long as no kernel writes a GEMV's weights (the GEMVs
+    load their first weights before they wait); a CUDA graph captured inside keeps the early starts. The switch
+    is this module's state, not a thread's: one thread decodes at a time."""
     global _programmatic
     before, _programmatic = _programmatic, bool(on)
     try:

@@ -148,7 +148,8 @@ __device__ MK_OUTLINE void mlp_down(const float* hs, const void* __restrict__ Wt
         for (int b = 0; b < NB; ++b)
             s[b] = add_bias && MK_WT != W_I8 ? __ldg(bias4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
         mlp_column<KG, MK_WT>(s, hs, Wt, c, g, r0, r1);
-        if (MK_WT == W_I8) {                                      // the sum of the codes, scaled, then the bias
+        if (MK_WT == W_I8) {     // this group's partial sum of the codes, scaled (the scale is per column, so
+                                 // scaling each partial sum before the atomic add equals scaling the total), then the bias
             const float4 sc = __ldg(reinterpret_cast<const float4*>(scale) + c);
             const float4 bb = add_bias ? __ldg(bias4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll

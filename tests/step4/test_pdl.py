@@ -328,8 +328,9 @@ def test_the_decode_kernels_have_the_instructions_on_sm_90():
     from step4_gpt2 import ops
     wanted = {ops.CU: [n for n in ops.KERNEL_NAMES if n.split("<")[0] in DECODE_KERNELS["step4_gpt2/gpt2.cu"]],
               ops.LOWP_CU: [n for n in ops.LOWP_KERNEL_NAMES if n.startswith("gemv_v")]}
+    launched = {ops.CU: ops.defines(ops.V5_ROWS), ops.LOWP_CU: ops.lowp_defines()}   # the decode's defines
     for path, names in wanted.items():
-        d = ops.CU_DEFINES[path]
+        d = launched[path]
         entries = _ptx_entries(path, 90, names, d)
         missing = [n for n in names if "griddepcontrol.wait" not in entries[n]
                    or "griddepcontrol.launch_dependents" not in entries[n]]
@@ -444,19 +445,22 @@ def _decode_run(model, lens, steps, plan, programmatic, cuda_graph=True, seed=0)
 
 
 PDL_TINY = dict(n_layer=2, n_head=4, n_embd=128, vocab_size=1001, block_size=256)   # V: not a tile multiple
+PDL_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=256)  # kernels big enough to overlap
 
 
 @gpu
+@pytest.mark.parametrize("shape", ["tiny", "124M"])
 @pytest.mark.parametrize("plan", ["fused", "split"])
 @pytest.mark.parametrize("B", [1, 8])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
-def test_greedy_decode_with_pdl_equals_without(precision, B, plan):
+def test_greedy_decode_with_pdl_equals_without(precision, B, plan, shape):
     """Token for token, logits within 1e-6, every step; the longest prompt crosses the cache length where
-    decode attention switches from v1 to v2 (split + combine), so both graphs run."""
+    decode attention switches from v1 to v2 (split + combine), so both graphs run. At GPT-2 124M's shape the
+    kernels are long enough for a missing wait to show as a race; the tiny one runs every kernel's edge cases."""
     from step4_gpt2 import weights as W
     from step4_gpt2.model import GPT
     _skip_below_sm90()
-    cfg = W.GPTConfig(**PDL_TINY)
+    cfg = W.GPTConfig(**(PDL_TINY if shape == "tiny" else PDL_124M))
     model = GPT(cfg, W.random_weights(cfg, seed=B, notice=False), precision=precision)
     lens = [124] + [int(n) for n in np.random.default_rng(B).integers(2, 124, B - 1)]
     steps = 12
