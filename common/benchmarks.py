@@ -14,7 +14,8 @@ Each step folder has one or more `benchmarks*.py` modules with `run() -> list[Ro
   - a function `FAMILY_rows()` that takes no arguments, in any of the step's benchmark modules
     (step2_attention:softmax runs softmax_rows() of step2_attention/benchmarks.py), or
   - a subpackage of the step with a `benchmarks.py` that has `run()` (step4_gpt2:train runs
-    step4_gpt2/train/benchmarks.py); `--only STEP` runs it too.
+    step4_gpt2/train/benchmarks.py), or a `benchmarks_FAMILY.py` of it with `run()`, named SUB_FAMILY
+    (step4_gpt2:train_bf16 runs step4_gpt2/train/benchmarks_bf16.py); `--only STEP` runs them too.
 Every row carries its anchor, timed in the same run: copy bandwidth, cuBLAS, CuPy, or torch when installed.
 --markdown writes the results page: one section per step, the device, date and copy bandwidth once, every row's
 numbers and what limits it (the text is NOTES in this module); --readme replaces the table between the
@@ -49,9 +50,25 @@ def subpackages(step_dir: Path) -> list[str]:
     return found
 
 
+def sub_modules(step_dir: Path) -> list[tuple[str, str]]:
+    """(family, module path below the step) of a step folder's subpackages: SUB for SUB/benchmarks.py, SUB_FAMILY
+    for SUB/benchmarks_FAMILY.py, each where the file defines run() (read from the source, not imported)."""
+    found = []
+    for sub in subpackages(step_dir):
+        found.append((sub, f"{sub}.benchmarks"))
+    for path in sorted(step_dir.glob("*/benchmarks_*.py")):
+        sub = path.parent.name
+        if sub.startswith((".", "_")):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        if any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body):
+            found.append((f"{sub}_{path.stem.removeprefix('benchmarks_')}", f"{sub}.{path.stem}"))
+    return found
+
+
 def _steps(root: Path) -> tuple[str, ...]:
     return tuple(sorted(p.name for p in root.glob("step*")
-                        if p.is_dir() and (any(p.glob("benchmarks*.py")) or subpackages(p))))
+                        if p.is_dir() and (any(p.glob("benchmarks*.py")) or sub_modules(p))))
 
 
 STEPS = _steps(ROOT)
@@ -109,7 +126,7 @@ def table(rows: list[Row]) -> str:
             f"| {'vs anchor':>22s} |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
-        rate = f"{r.rate:,.1f} {r.unit}" if r.rate is not None else ""
+        rate = f"{rate_text(r.rate)} {r.unit}" if r.rate is not None else ""
         frac = f"{r.fraction:.1%} {r.ceiling}" if r.fraction is not None else ""
         anc = f"{r.ratio:.2f}x {r.anchor}" if r.ratio is not None else ""
         lines.append(f"| {r.name:38s} | {r.size:16s} | {r.ms:10.4f} | {rate:>16s} | {frac:>16s} | {anc:>22s} |")
@@ -155,15 +172,16 @@ def families(step: str, root: Path = ROOT) -> dict[str, list[tuple[str, str | No
             if (isinstance(node, ast.FunctionDef) and node.name.endswith("_rows") and not node.name.startswith("_")
                     and _takes_no_arguments(node)):
                 found.setdefault(node.name.removesuffix("_rows"), []).append((module, node.name))
-    for sub in subpackages(root / step):
-        found.setdefault(sub, []).append((f"{step}.{sub}.benchmarks", None))
+    for family, module in sub_modules(root / step):
+        found.setdefault(family, []).append((f"{step}.{module}", None))
     return found
 
 
 def step_modules(step: str, root: Path = ROOT) -> list[str]:
-    """Every module `--only STEP` runs whole: the step's benchmarks*.py, then its subpackages' benchmarks.py."""
+    """Every module `--only STEP` runs whole: the step's benchmarks*.py, then its subpackages' benchmarks.py and
+    benchmarks_FAMILY.py."""
     return ([f"{step}.{p.stem}" for p in sorted((root / step).glob("benchmarks*.py"))]
-            + [f"{step}.{sub}.benchmarks" for sub in subpackages(root / step)])
+            + [f"{step}.{module}" for _, module in sub_modules(root / step)])
 
 
 def valid_names(root: Path = ROOT) -> list[str]:
@@ -194,11 +212,13 @@ def select(only: list[str] | None, root: Path = ROOT) -> list[tuple[str, str, st
 
 
 def family_of(name: str, module: str, function: str | None) -> str:
-    """The family recorded with a row: STEP:SUB for a subpackage's module, STEP:FAMILY for benchmarks_FAMILY.py
-    or a FAMILY_rows() run alone, STEP for a step's benchmarks.py run whole."""
+    """The family recorded with a row: STEP:SUB for a subpackage's benchmarks.py (STEP:SUB_FAMILY for its
+    benchmarks_FAMILY.py), STEP:FAMILY for benchmarks_FAMILY.py or a FAMILY_rows() run alone, STEP for a step's
+    benchmarks.py run whole."""
     parts = module.split(".")
     if len(parts) == 3:
-        return f"{parts[0]}:{parts[1]}"
+        family = parts[2].removeprefix("benchmarks").lstrip("_")
+        return f"{parts[0]}:{parts[1]}" + (f"_{family}" if family else "")
     if function is not None:
         return f"{parts[0]}:{function.removesuffix('_rows')}"
     family = parts[1].removeprefix("benchmarks").lstrip("_")
@@ -213,6 +233,7 @@ SECTIONS = {                     # section key -> heading; a subpackage's family
     "step3_fused": "Step 3: LayerNorm, fusion, a fused training step",
     "step4_gpt2": "Step 4a: GPT-2 inference",
     "step4_gpt2:train": "Step 4b: training a GPT",
+    "step4_gpt2:train_bf16": "Step 4b in bf16: mixed-precision training, recomputation",
     "step4_gpt2:megakernel": "Step 4c: the decode megakernel",
     "step4_gpt2:torch_ops": "Step 4d: your kernels in PyTorch",
     "step4_gpt2:parallel": "Step 4e: training on several GPUs",
@@ -349,6 +370,22 @@ NOTES: dict[str, list[tuple[str, str]]] = {
                                "weight-gradient stream overlaps them."),
         (r"step timeline|in the step", "The profiler's timeline of the graph: where the GPU idles."),
     ],
+    "step4_gpt2:train_bf16": [
+        (r"train step, ours bf16 vs ours fp32", "bf16 on the tensor cores (GEMMs through cuBLAS, attention) "
+                                                "against plain fp32 on the same model and batches: the GEMMs "
+                                                "shrink most; LayerNorm, GELU, the loss and AdamW stay fp32 "
+                                                "and memory-bound."),
+        (r"train step, ours bf16 vs torch", "Against PyTorch autocast(bf16) on the same model, batches and fp32 "
+                                            "AdamW: eager adds the host's Python, a launch per op and a cast per "
+                                            "weight; `torch.compile` fuses the small ops and the casts."),
+        (r"train step, bf16 \+ recompute vs", "The time paid for recomputation: one more LayerNorm pair and GELU "
+                                              "per layer in the backward, memory-bound kernels."),
+        (r"train step", "Tokens per second of the whole step (forward, backward, clipping, AdamW with fp32 master "
+                        "weights); ours replayed as one CUDA graph."),
+        (r"activations kept", "Bytes kept for the backward per batch shape, counted exactly from the buffers "
+                              "allocated: bf16 halves what the GEMMs read, recomputation drops ln_1, ln_2 and the "
+                              "GELU output of every layer. The time column is that variant's step."),
+    ],
     "step4_gpt2:megakernel": [
         (r"decode eager", "Host-bound: one launch per kernel."),
         (r"decode CUDA graph", "Anchor: one kernel per op, each with its ramp-up and tail."),
@@ -422,8 +459,8 @@ HEADLINES = [
                                                                                            "the course's ops, TF32"),
 ]
 STEP_LABELS = {"step1_simple": "1", "step2_attention": "2", "step3_fused": "3", "step4_gpt2": "4",
-               "step4_gpt2:train": "4b", "step4_gpt2:megakernel": "4c", "step4_gpt2:torch_ops": "4d",
-               "step4_gpt2:parallel": "4e"}
+               "step4_gpt2:train": "4b", "step4_gpt2:train_bf16": "4b", "step4_gpt2:megakernel": "4c",
+               "step4_gpt2:torch_ops": "4d", "step4_gpt2:parallel": "4e"}
 README_BEGIN, README_END = "<!-- results -->", "<!-- /results -->"
 MAX_PAGE_LINES = 300
 
@@ -457,12 +494,20 @@ def ratio_text(ratio: float | None, anchor: str) -> str:
     return f"{shown}× {anchor}" + (" (slower)" if round(ratio, 2) < 1 else "")
 
 
+def rate_text(rate: float) -> str:
+    """A rate as printed: whole numbers from 1,000, one decimal from 1, two significant digits below (a
+    perplexity change of 0.0022 % must not print as 0.0)."""
+    if abs(rate) >= 1000:
+        return f"{rate:,.0f}"
+    return f"{rate:,.1f}" if abs(rate) >= 1 or rate == 0 else f"{rate:.2g}"
+
+
 def cells(row: dict) -> list[str]:
     """size, median ms, rate, of ceiling, vs anchor: as printed on the page."""
     ms, rate, fraction = _num(row.get("ms")), _num(row.get("rate")), _num(row.get("fraction"))
     return [row.get("size", ""),
             "unavailable" if ms is None else f"{ms:.4f}" if ms < 100 else f"{ms:,.1f}",
-            "" if rate is None else f"{rate:,.0f} {row.get('unit', '')}" if rate >= 1000 else f"{rate:,.1f} {row.get('unit', '')}",
+            "" if rate is None else f"{rate_text(rate)} {row.get('unit', '')}",
             "" if fraction is None else f"{fraction:.1%} {row.get('ceiling', '')}",
             ratio_text(_num(row.get("ratio")), row.get("anchor", ""))]
 

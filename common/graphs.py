@@ -27,6 +27,7 @@ import ctypes
 
 _libcuda = None
 MEMSET_NODE = 2                              # CU_GRAPH_NODE_TYPE_MEMSET
+LOSSY_QUERY = 402                            # CUDA_ERROR_LOSSY_QUERY: see _EdgeData
 USE_NODE_PRIORITY = 8                        # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
 _recording: dict[int, list] = {}             # capture id -> cuBLAS calls made in it (capture_graph's captures)
 
@@ -41,8 +42,16 @@ def _driver():
     return _libcuda
 
 
+class _EdgeData(RuntimeError):
+    """A graph query met an edge that carries data, which the CUDA 11/12 signatures cannot return (cuBLAS's
+    bf16 GEMMs on Hopper launch with programmatic dependent launch, and their edges say so). The nodes around
+    such an edge are left as captured."""
+
+
 def _call(name: str, *args) -> None:
     status = getattr(_driver(), name)(*args)
+    if status == LOSSY_QUERY:
+        raise _EdgeData(f"{name}: an edge with data (CUresult {status})")
     if status != 0:
         raise RuntimeError(f"{name} failed with CUresult {status}")
 
@@ -64,8 +73,11 @@ def _capture_state(stream_ptr: int) -> tuple[int, tuple[int, ...]] | None:
     """(capture id, the nodes the stream's next work will depend on) while the stream is being captured."""
     status, cid, graph = ctypes.c_int(), ctypes.c_ulonglong(), ctypes.c_void_p()
     deps, n = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
-    _call("cuStreamGetCaptureInfo_v2", ctypes.c_void_p(stream_ptr), ctypes.byref(status), ctypes.byref(cid),
-          ctypes.byref(graph), ctypes.byref(deps), ctypes.byref(n))
+    try:
+        _call("cuStreamGetCaptureInfo_v2", ctypes.c_void_p(stream_ptr), ctypes.byref(status), ctypes.byref(cid),
+              ctypes.byref(graph), ctypes.byref(deps), ctypes.byref(n))
+    except _EdgeData:                            # the last call's edges carry data: not noted, left alone
+        return None
     if status.value != 1:                        # CU_STREAM_CAPTURE_STATUS_ACTIVE
         return None
     return cid.value, tuple(deps[i] for i in range(n.value))
@@ -123,7 +135,10 @@ def _added_nodes(before, after) -> set[int] | None:
         seen.add(node)
         if len(seen) > MAX_CALL_NODES:
             return None
-        todo.extend(d for d in _nodes("cuGraphNodeGetDependencies", node) if d not in stop)
+        try:
+            todo.extend(d for d in _nodes("cuGraphNodeGetDependencies", node) if d not in stop)
+        except _EdgeData:
+            return None
     return seen
 
 
@@ -144,12 +159,16 @@ def hoist_cublas_memsets(graph, calls) -> int:
             p = _MemsetParams()
             _call("cuGraphMemsetNodeGetParams", ctypes.c_void_p(node), ctypes.byref(p))
             size = p.width * p.elementSize + (p.pitch * (p.height - 1) if p.height > 1 else 0)
-            preds, succs = _nodes("cuGraphNodeGetDependencies", node), _nodes("cuGraphNodeGetDependentNodes", node)
+            try:
+                preds = _nodes("cuGraphNodeGetDependencies", node)
+                succs = _nodes("cuGraphNodeGetDependentNodes", node)
+                succ_deps = {s: set(_nodes("cuGraphNodeGetDependencies", s)) for s in succs}
+            except _EdgeData:
+                continue
             if not (ws[0] <= p.dst and p.dst + size <= ws[0] + ws[1]) or not set(preds) <= set(before) \
                     or not succs or not set(succs) <= added:
                 continue                     # only a call's first node, writing only into its workspace
             _edges("cuGraphRemoveDependencies", graph, [(a, node) for a in preds])
-            succ_deps = {s: set(_nodes("cuGraphNodeGetDependencies", s)) for s in succs}
             _edges("cuGraphAddDependencies", graph, [(a, s) for s in succs for a in preds if a not in succ_deps[s]])
             _edges("cuGraphAddDependencies", graph, [(a, node) for a in last.get(ws, ())])
             moved += 1

@@ -12,6 +12,9 @@ generate() checks the prompts, pads them into one batch and hands the decoding t
   replays the right one). Greedy decoding keeps the choice (argmax) and the position update inside the
   graph too, so the host queues the next step before it reads the last one's tokens (PIPELINE_DEPTH).
 - eager (cuda_graph=False): the same Decoder launching every kernel of every step.
+- programmatic=True: the step's own kernels (embedding, GEMVs, argmax) launch with programmatic dependent
+  launch on sm_90 and newer (`ops.programmatic`): each starts its weight loads while the one before it
+  drains, in the graph as eagerly; below sm_90 the launches stay plain.
 - `decoder=`: another Decoder subclass, built with the same arguments (model, batch, cache length, greedy,
   and the options given to generate); generate() drives it the same way.
 The decoder (its KV cache, buffers and graphs) is kept on the model for the next call with the same class,
@@ -150,14 +153,16 @@ class Decoder:
       .info                                               a dict for Generation.info (set by prefill)
     choose is None for greedy decoding (argmax on the device), else a function logits (B, V) CuPy -> (B,)
     integer CuPy token ids (generate's seeded sampler). Options here: cuda_graph (False: eager launches);
-    plan ("fused" / "split", None = model.py's plan_for(batch)).
+    plan ("fused" / "split", None = model.py's plan_for(batch)); programmatic (True: the step's kernels launch
+    with programmatic dependent launch where the GPU has it, ops.programmatic).
     """
 
     def __init__(self, model, batch: int, length: int, greedy: bool = True, cuda_graph: bool = True,
-                 plan: str | None = None):
+                 plan: str | None = None, programmatic: bool = False):
         require_gpu()
         from step4_gpt2.model import PLANS, plan_for
         self.mode = "graph" if cuda_graph else "eager"
+        self.programmatic = bool(programmatic)
         self.plan = expect_choice(plan or plan_for(batch), "plan", PLANS)
         self.graphs: dict = {}        # attention version -> CUDA graph of one step
         self.warmed = False           # one eager step has run (kernels compiled, workspaces allocated)
@@ -236,7 +241,11 @@ class Decoder:
         self._rows += 1
         version = self._attention_version(self._rows)
         self.info["attention_versions"].add(version)
-        step = lambda: m.decode_step(s, greedy=self.greedy, attention_version=version, plan=self.plan)  # noqa: E731
+
+        def step():
+            with ops.programmatic(self.programmatic):
+                m.decode_step(s, greedy=self.greedy, attention_version=version, plan=self.plan)
+
         graph = self.mode == "graph"
         if graph and version not in self.graphs and self.warmed:
             self._warm(version)
@@ -319,7 +328,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     (None: a vocabulary without an end-of-text token; nothing stops). Raises ValueError if a prompt plus the
     new tokens would not fit the context (block_size).
     decoder: None for the course's Decoder, or a Decoder subclass; decoder_options go to its constructor
-    (Decoder: cuda_graph=False for eager launches, plan)."""
+    (Decoder: cuda_graph=False for eager launches, plan, programmatic)."""
     check_sampling(temperature, top_k, top_p)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")

@@ -32,11 +32,18 @@
 //                       advance each sequence's position, all on the device.
 //   advance_v1          pos += 1, lens += 1 (after a token was sampled outside the graph).
 //
+// Programmatic dependent launch (common/include/pdl.cuh): every kernel a decode step launches calls
+// pdl_wait() before it reads another kernel's output or writes global memory, and pdl_launch_dependents()
+// right after, so that launched with the attribute (ops.programmatic, sm_90) it may start while the kernel
+// before it drains. gemv_v5 issues its first weight loads before the wait: no kernel writes the weights, so
+// that DRAM round trip overlaps the previous kernel's tail. Launched plainly, the two calls cost nothing.
+//
 // Compile-time knobs, passed by ops.py as defines (the defaults below are ops.py's values, so the file also
 // compiles alone, e.g. with nvcc): MAXB (batch rows per GEMV launch), ROWS (output rows per warp in gemv_v3, per block in
 // gemv_v4/v5), V4_WARPS (warps sharing a row block in gemv_v4), V5_UNROLL (float4 loads per row a lane has
 // in flight in gemv_v5), V5_MAXWARPS (gemv_v5's largest block, in warps: its __launch_bounds__).
 #include "course.cuh"
+#include "pdl.cuh"
 
 #ifndef MAXB
 #define MAXB 8
@@ -61,6 +68,8 @@ extern "C" __global__ void embedding_v1(const int* __restrict__ tokens, const in
                                         const float* __restrict__ wte, const float* __restrict__ wpe,
                                         float* __restrict__ out, int n, int C) {
     const int i = blockIdx.x;
+    pdl_wait();                  // tokens and positions come from the last step's argmax
+    pdl_launch_dependents();
     if (i >= n) return;
     const float* te = wte + (long long)tokens[i] * C;
     const float* pe = wpe + (long long)positions[i] * C;
@@ -72,6 +81,8 @@ extern "C" __global__ void embedding_v2(const int* __restrict__ tokens, const in
                                         const float* __restrict__ wte, const float* __restrict__ wpe,
                                         float* __restrict__ out, int n, int C) {
     const int i = blockIdx.x;
+    pdl_wait();                  // tokens and positions come from the last step's argmax
+    pdl_launch_dependents();
     if (i >= n) return;
     const int C4 = C / 4;
     const float4* te = reinterpret_cast<const float4*>(wte + (long long)tokens[i] * C);
@@ -205,6 +216,8 @@ __global__ void gemv_v3(const float* __restrict__ x, const float* __restrict__ W
                         float* __restrict__ v_cache, const int* __restrict__ pos, int H, int L) {
     const int lane = threadIdx.x % 32;
     const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) / 32) * ROWS;
+    pdl_wait();                  // its loads interleave weights and x: nothing to start before the wait
+    pdl_launch_dependents();
     if (n0 >= N) return;
     const int K4 = K / 4;
     const float4* x4 = reinterpret_cast<const float4*>(x);
@@ -252,6 +265,8 @@ __global__ void gemv_v4(const float* __restrict__ x, const float* __restrict__ W
     __shared__ float red[V4_WARPS][ROWS][MAXB];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = blockIdx.x * ROWS;
+    pdl_wait();                  // as v3: the weights are loaded in the loop, next to x
+    pdl_launch_dependents();
     const int K4 = K / 4;
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const float4* w4[ROWS];
@@ -330,6 +345,8 @@ gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* _
     int tile = blockIdx.x;
     float4 w[ROWS][V5_UNROLL];
     if (tile < ntiles) v5_load(w, W4, tile * ROWS, N, K4, 0);
+    pdl_wait();                  // every thread, even one without a tile: x and y are the last kernel's
+    pdl_launch_dependents();     // after the wait: at most one kernel runs ahead of the one finishing
     if (LN) {
         const float4* g4 = reinterpret_cast<const float4*>(ln_w);
         const float4* b4 = reinterpret_cast<const float4*>(ln_b);
@@ -391,8 +408,8 @@ gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* _
                     if (lane == 0) rd[warp][r][b] = s;
                 }
         __syncthreads();
-        if (threadIdx.x < ROWS * MAXB) {
-            const int r = threadIdx.x / MAXB, b = threadIdx.x % MAXB, n = n0 + r;
+        for (int t = threadIdx.x; t < ROWS * MAXB; t += blockDim.x) {   // a loop: a block may be one warp
+            const int r = t / MAXB, b = t % MAXB, n = n0 + r;               // and ROWS * MAXB more than 32
             if (b < B && n < N) {
                 float s = 0.0f;
                 for (int v = 0; v < nwarps; ++v) s += rd[v][r][b];
@@ -414,6 +431,8 @@ extern "C" __global__ void argmax_v1(const float* __restrict__ logits, int V, in
     __shared__ float sv[32];
     __shared__ int si[32];
     const int b = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    pdl_wait();                  // the logits are the LM head's
+    pdl_launch_dependents();
     const float* row = logits + (long long)b * V;
     float v = __int_as_float(0xff800000);   // -inf
     int idx = 0x7fffffff;
@@ -439,5 +458,7 @@ extern "C" __global__ void argmax_v1(const float* __restrict__ logits, int V, in
 
 extern "C" __global__ void advance_v1(int* __restrict__ pos, int* __restrict__ lens, int B) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    pdl_wait();                  // pos and lens are read by the kernels before it
+    pdl_launch_dependents();
     if (b < B) { pos[b] += 1; lens[b] += 1; }
 }

@@ -6,7 +6,12 @@ goes through (steps 2 and 3's attention and LayerNorm kernels are imported here 
     kv_cache_fill(qkv, bias, k_cache, v_cache)       a prompt's k and v into the KV cache
     gemv(x, W, bias, out, gelu, version, ln, residual)   the decode-step matrix product (v1 .. v5)
     gemv_qkv(x, W, bias, q, k_cache, v_cache, pos)   the QKV GEMV whose epilogue appends k, v to the cache
+        both take W as float32 (gpt2.cu, v1 .. v5), uint16 bf16 bits (gemv_lowp.cu, v6) or int8 with
+        scale= its (N,) row scales (v7), or a quantize.LowpWeight: the dtype picks the kernel
+    matmul_lowp(x, W, scale, out)                    prefill with bf16/int8 weights: widen once, then cuBLAS
     argmax(logits, tokens, pos, lens), advance(pos, lens)   greedy choice and position update on the device
+    programmatic()                                   with ops.programmatic(): the kernels above launch with
+                                                     programmatic dependent launch (sm_90; plain elsewhere)
     layernorm, residual_layernorm                    step 3
     flash_attention_qkv, decode_attention            step 2
 
@@ -29,6 +34,7 @@ allocates nothing and never synchronises with the host, so a decode step can be 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -38,6 +44,8 @@ from common import (allow_dynamic_smem, device_info, expect_array, expect_choice
                     occupancy, out_array)
 from step2_attention.flash import decode_attention, decode_split_count, flash_attention_qkv  # noqa: F401
 from step3_fused.ops import layernorm, residual_layernorm  # noqa: F401
+from step4_gpt2 import pdl
+from step4_gpt2.quantize import LowpWeight
 
 CU = Path(__file__).resolve().parent / "gpt2.cu"
 # Compile-time constants of gpt2.cu, passed as defines (the .cu's own values only serve offline compiles).
@@ -50,8 +58,38 @@ V5_MAXWARPS = 8         # gemv_v5: at most 8 warps (256 threads) per block, its 
 GEMV_THREADS = 128      # gemv_v3: 4 warps, each its own ROWS rows
 V5_BLOCKS_PER_SM = 16   # gemv_v5: grid cap; bigger matrices (the LM head) loop over row tiles
 V5_LN_BLOCKS_PER_SM = 4  # ... with a LayerNorm prologue over > 2 rows: fewer blocks, each normalising once
-GEMV_VERSIONS = (1, 2, 3, 4, 5)
+GEMV_VERSIONS = (1, 2, 3, 4, 5)   # fp32 weights (gpt2.cu)
+GEMV_LOWP_VERSIONS = (6, 7)       # bf16 and int8 weights (gemv_lowp.cu): v5's design, fewer bytes per weight
+LOWP_VERSION = {"bf16": 6, "int8": 7}
+LOWP_PER_LOAD = {"bf16": 8, "int8": 16}     # weights per 16-byte load: K must be a multiple
+LOWP_CU = Path(__file__).resolve().parent / "gemv_lowp.cu"
 NULL = np.uint64(0)     # an unused pointer argument
+_programmatic = False   # set by programmatic()
+
+
+@contextlib.contextmanager
+def programmatic(on: bool = True):
+    """Inside `with ops.programmatic():` this module's kernels (embedding, the GEMVs, argmax, advance) launch
+    with programmatic dependent launch (step4_gpt2/pdl.py) on sm_90 and newer: each may start while the kernel
+    before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads that kernel's output. Below
+    sm_90, and for the kernels of steps 2 and 3 this module re-exports (decode attention, LayerNorm), launches
+    stay plain. Either way the results are the same, as long as no kernel writes a GEMV's weights (the GEMVs
+    load their first weights before they wait); a CUDA graph captured inside keeps the early starts. The switch
+    is this module's state, not a thread's: one thread decodes at a time."""
+    global _programmatic
+    before, _programmatic = _programmatic, bool(on)
+    try:
+        yield
+    finally:
+        _programmatic = before
+
+
+def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
+    """fn(grid, block, args): through pdl.launch_pdl inside programmatic() on sm_90+, else CuPy's launch."""
+    if _programmatic and device_info()["sm"] >= pdl.PDL_ARCH:
+        pdl.launch_pdl(fn, grid, block, args, shared_mem=shared_mem)
+    else:
+        fn(grid, block, args, shared_mem=shared_mem)
 
 
 def defines(rows: int = ROWS, unroll: int = V5_UNROLL) -> dict:
@@ -80,8 +118,8 @@ def embedding(tokens, positions, wte, wpe, out):
     expect_array(wpe, "wpe", dtype=np.float32, shape=(None, C))
     _index_vector(tokens, "tokens", n)
     _index_vector(positions, "positions", n)
-    kernel("embedding_v2" if C % 4 == 0 else "embedding_v1")(
-        (n,), (min(256, max(32, C // 4)),), (tokens, positions, wte, wpe, out, np.int32(n), np.int32(C)))
+    _launch(kernel("embedding_v2" if C % 4 == 0 else "embedding_v1"),
+            (n,), (min(256, max(32, C // 4)),), (tokens, positions, wte, wpe, out, np.int32(n), np.int32(C)))
     return out
 
 
@@ -129,11 +167,13 @@ def _v34_launch(version: int, N: int):
     return launch_grid(N, ROWS), (32 * V4_WARPS,)
 
 
-def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
+def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL,
+               per_load: int = 4):
     """(grid, block, shared bytes) of gemv_v5 kernel fn: the fewest warps (<= V5_MAXWARPS) whose lanes cover
-    a row with `unroll` float4s each; one block per `rows`-row tile, at most V5_BLOCKS_PER_SM per SM and no
-    more than can be resident (common.occupancy), after which blocks loop over tiles."""
-    warps = min(V5_MAXWARPS, max(1, -(-(K // 4) // (32 * unroll))))
+    a row with `unroll` 16-byte loads (of `per_load` weights) each; one block per `rows`-row tile, at most
+    V5_BLOCKS_PER_SM per SM and no more than can be resident (common.occupancy), after which blocks loop over
+    tiles. gemv_v6/v7 launch the same way, with 8 or 16 weights per load."""
+    warps = min(V5_MAXWARPS, max(1, -(-(K // per_load) // (32 * unroll))))
     smem = nb * K * 4 if ln else 0
     blocks_per_sm = V5_BLOCKS_PER_SM
     if ln and nb > 2:      # every block re-reads and normalises all nb rows: amortise it over more tiles
@@ -158,10 +198,10 @@ def _v5_rows_per_launch(fn, K: int, ln: bool) -> int:
     return max(1, min(MAXB, room // (4 * K)))
 
 
-def _v5_call(fn, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL):
-    grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll)
+def _v5_call(fn, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL, per_load=4):
+    grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll, per_load)
     allow_dynamic_smem(fn, smem, f"ln: the LayerNorm prologue's {nb} row(s) x {K} floats in shared memory")
-    fn(grid, block, args, shared_mem=smem)
+    _launch(fn, grid, block, args, smem)
 
 
 def _ln_args(ln, K: int, eps: float):
@@ -174,12 +214,17 @@ def _ln_args(ln, K: int, eps: float):
 
 
 def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: float = 1e-5,
-         residual: bool = False, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
+         residual: bool = False, rows: int = V5_ROWS, unroll: int = V5_UNROLL, scale=None):
     """y (B, N) = x (B, K) @ W^T (+ bias, then GELU) with W (N, K); any B (chunks of MAXB rows).
     version None = 5. Only v5 has the other fusions:
       ln=(weight, bias): x is replaced by LayerNorm(x) first (each block normalises it in shared memory);
       residual=True: out += x @ W^T + bias, in place (out is the residual stream, required).
-    rows/unroll: v5's rows per tile and float4s in flight per lane (a module compiled per pair)."""
+    rows/unroll: v5's rows per tile and 16-byte loads in flight per lane and row (a module compiled per pair).
+    W uint16 (bf16 bits) or int8 (with scale=, (N,) float32), or a LowpWeight: gemv_v6 / gemv_v7 (gemv_lowp.cu),
+    with every v5 fusion; version None picks the kernel from W's dtype."""
+    W, scale = _unpack(W, scale)
+    if scale is not None or _dtype(W) in (np.uint16, np.int8) or version in GEMV_LOWP_VERSIONS:
+        return _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, unroll)
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     W = expect_array(W, "W", dtype=np.float32, ndim=2, shape=(None, x.shape[1]))
     B, K = x.shape
@@ -228,17 +273,22 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
     grid, block = _v34_launch(version, N)
     for b0 in range(0, B, MAXB):
         nb = min(MAXB, B - b0)
-        kernel(f"gemv_v{version}<{epi}>")(grid, block, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
-                                                        np.int32(N), np.int32(K), NULL, NULL, NULL,
-                                                        np.int32(0), np.int32(0)))
+        _launch(kernel(f"gemv_v{version}<{epi}>"), grid, block, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
+                                                                np.int32(N), np.int32(K), NULL, NULL, NULL,
+                                                                np.int32(0), np.int32(0)))
     return y
 
 
-def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=5, ln=None, eps: float = 1e-5):
+def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: float = 1e-5, scale=None):
     """q (B, C) = first third of x @ W^T + b; k and v go into the caches (B, H, L, D) at row pos[b].
-    version 5 with ln=(weight, bias): x is LayerNorm-ed first, inside the same kernel.
+    version 5 (the default for float32 W) with ln=(weight, bias): x is LayerNorm-ed first, inside the same
+    kernel. W uint16 (bf16 bits) or int8 with scale= (or a LowpWeight): version 6 / 7, ln= too.
     pos (B,) int32 is read on the device (so the step is capturable) and not range-checked here:
     0 <= pos[b] < L is the caller's invariant (generate sizes the cache for every position it feeds)."""
+    W, scale = _unpack(W, scale)
+    if scale is not None or _dtype(W) in (np.uint16, np.int8) or version in GEMV_LOWP_VERSIONS:
+        return _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps)
+    version = 5 if version is None else version
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     B, K = x.shape
     W = expect_array(W, "W", dtype=np.float32, ndim=2, shape=(None, K))
@@ -266,11 +316,159 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=5, ln=None, eps: floa
     grid, block = _v34_launch(version, N)
     for b0 in range(0, B, MAXB):
         nb = min(MAXB, B - b0)
-        kernel(f"gemv_v{version}<EPI_QKV>")(grid, block, (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb),
-                                                          np.int32(N), np.int32(K), k_cache[b0:b0 + nb],
-                                                          v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H),
-                                                          np.int32(L)))
+        _launch(kernel(f"gemv_v{version}<EPI_QKV>"), grid, block,
+                (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), k_cache[b0:b0 + nb],
+                 v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
     return q
+
+
+# ----------------------------------------------------------------------------- fewer bytes per weight
+def lowp_defines(rows: int = V5_ROWS, unroll: int = V5_UNROLL) -> dict:
+    """gemv_lowp.cu's defines: v5's constants (rows per tile, 16-byte loads per row a lane has in flight)."""
+    return {"MAXB": MAXB, "ROWS": rows, "UNROLL": unroll, "MAXWARPS": V5_MAXWARPS}
+
+
+def lowp_kernel(name: str, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
+    """Kernel `name` of gemv_lowp.cu, e.g. "gemv_v7<EPI_BIAS, true>" or "dequant_bf16_v1" (cached)."""
+    return get_kernel(LOWP_CU, name, lowp_defines(rows, unroll), templates=CU_TEMPLATES[LOWP_CU])
+
+
+def _dtype(W):
+    return getattr(W, "dtype", None)
+
+
+def _unpack(W, scale):
+    """(W, scale) from a quantize.LowpWeight or from the two arguments."""
+    if isinstance(W, LowpWeight):
+        if scale is not None:
+            raise ValueError("scale: W is a LowpWeight, which carries its own scale; pass scale=None")
+        return W.w, W.scale
+    return W, scale
+
+
+def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]:
+    """(kind, version) of a bf16/int8 weight of `dtype` read with rows of K weights; a named error for a
+    dtype that is neither, a scale where none belongs or missing, K not a whole number of 16-byte loads, or a
+    version that reads another format. (A function of its own, so the rules are checked without a GPU.)"""
+    kinds = {np.dtype(np.uint16): "bf16", np.dtype(np.int8): "int8"}
+    kind = kinds.get(np.dtype(dtype) if dtype is not None else None)
+    if kind is None:
+        want = {6: "uint16 (bf16 bit patterns)", 7: "int8"}.get(version, "uint16 (bf16 bits) or int8")
+        why = f"version {version} reads" if version in GEMV_LOWP_VERSIONS else "scale= is for"
+        raise TypeError(f"W: {why} {want} weights, got dtype {np.dtype(dtype) if dtype is not None else None}")
+    if kind == "int8" and not has_scale:
+        raise ValueError("scale: int8 weights need their (N,) float32 row scales (quantize.quantize_int8)")
+    if kind == "bf16" and has_scale:
+        raise ValueError("scale: only int8 weights take row scales; W is bf16 (uint16)")
+    per = LOWP_PER_LOAD[kind]
+    if K % per:
+        raise ValueError(f"W: {kind} weights are read 16 bytes ({per} weights) at a time, so K must be a multiple "
+                         f"of {per}, got K={K}")
+    want = LOWP_VERSION[kind]
+    if version is not None and version != want:
+        expect_choice(version, "version", GEMV_VERSIONS + GEMV_LOWP_VERSIONS)
+        raise ValueError(f"version: {kind} weights are read by version {want} (gemv_v{want}), got {version!r}")
+    return kind, want
+
+
+def _lowp_weight(W, scale, K: int, version):
+    """Check a bf16/int8 weight (N, K) and its scale; (kind, version, N, scale argument)."""
+    kind, version = lowp_format(_dtype(W), K, scale is not None, version)
+    W = expect_array(W, "W", dtype=(np.uint16, np.int8), ndim=2, shape=(None, K))
+    N = W.shape[0]
+    if scale is not None:
+        scale = expect_array(scale, "scale", dtype=np.float32, shape=(N,))
+    return kind, version, N, scale
+
+
+def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, unroll):
+    """gemv() for bf16 / int8 weights: gemv_v6 / gemv_v7, with every v5 fusion."""
+    x = expect_array(x, "x", dtype=np.float32, ndim=2)
+    B, K = x.shape
+    kind, version, N, scale = _lowp_weight(W, scale, K, version)
+    if bias is not None:
+        expect_array(bias, "bias", dtype=np.float32, shape=(N,))
+    if residual and out is None:
+        raise ValueError("out: residual=True adds into out (the residual stream); pass it")
+    y = out_array(out, (B, N))
+    if gelu and bias is None:
+        raise ValueError("gelu=True needs a bias (the fused epilogue is gelu(x @ W^T + bias))")
+    if residual and (gelu or bias is None or y.data.ptr == x.data.ptr):
+        raise ValueError("residual: out += x @ W^T + bias needs a bias, no GELU, and out other than x")
+    epi = "EPI_RESID" if residual else "EPI_BIAS_GELU" if gelu else "EPI_BIAS" if bias is not None else "EPI_NONE"
+    lw, lb, e = _ln_args(ln, K, eps)
+    fn = lowp_kernel(f"gemv_v{version}<{epi}, {'false' if ln is None else 'true'}>", rows, unroll)
+    step = _v5_rows_per_launch(fn, K, ln is not None)
+    head = (scale,) if kind == "int8" else ()            # gemv_v7 takes the scales after W
+    for b0 in range(0, B, step):
+        nb = min(step, B - b0)
+        _v5_call(fn, N, K, nb, ln is not None,
+                 (x[b0:b0 + nb], W, *head, bias if bias is not None else NULL, y[b0:b0 + nb], np.int32(nb),
+                  np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL, np.int32(0), np.int32(0)),
+                 rows, unroll, LOWP_PER_LOAD[kind])
+    return y
+
+
+def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps):
+    """gemv_qkv() for bf16 / int8 weights (gemv_v6 / gemv_v7 with the EPI_QKV epilogue)."""
+    x = expect_array(x, "x", dtype=np.float32, ndim=2)
+    B, K = x.shape
+    kind, version, N, scale = _lowp_weight(W, scale, K, version)
+    if N % 3:
+        raise ValueError(f"W: expected (3C, K), got {W.shape} ({N} rows, not a multiple of 3)")
+    C = N // 3
+    expect_array(bias, "bias", dtype=np.float32, shape=(N,))
+    expect_array(q, "q", dtype=np.float32, shape=(B, C))
+    H, L, D = _check_caches(k_cache, v_cache, B, C)
+    _index_vector(pos, "pos", B)
+    lw, lb, e = _ln_args(ln, K, eps)
+    fn = lowp_kernel(f"gemv_v{version}<EPI_QKV, {'false' if ln is None else 'true'}>")
+    step = _v5_rows_per_launch(fn, K, ln is not None)
+    head = (scale,) if kind == "int8" else ()
+    for b0 in range(0, B, step):
+        nb = min(step, B - b0)
+        _v5_call(fn, N, K, nb, ln is not None,
+                 (x[b0:b0 + nb], W, *head, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
+                  k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)),
+                 per_load=LOWP_PER_LOAD[kind])
+    return q
+
+
+def dequantize(W, scale=None, out=None):
+    """W (N, K) bf16 bits or int8 (with its (N,) scale) widened to float32 (N, K) on the GPU, one kernel."""
+    W, scale = _unpack(W, scale)
+    if getattr(W, "ndim", None) != 2:
+        raise ValueError(f"W: expected an (N, K) matrix of uint16 (bf16 bits) or int8, got "
+                         f"{getattr(W, 'shape', type(W).__name__)}")
+    K = W.shape[1]
+    kind, _, N, scale = _lowp_weight(W, scale, K, None)
+    y = out_array(out, (N, K), name="out")
+    nvec = N * K // LOWP_PER_LOAD[kind]
+    grid = launch_grid(max(nvec, 1), 256, per_sm=8)
+    if kind == "bf16":
+        lowp_kernel("dequant_bf16_v1")(grid, (256,), (W, y, np.int64(nvec)))
+    else:
+        lowp_kernel("dequant_int8_v1")(grid, (256,), (W, scale, y, np.int64(nvec), np.int32(K)))
+    return y
+
+
+def matmul_lowp(x, W, scale=None, out=None):
+    """y (M, N) = x (M, K) @ W^T for a bf16 (uint16 bits) or int8 (+ scale) weight W (N, K), or a LowpWeight:
+    the prefill's matrix products. The simplest correct way: `dequantize` widens W to a float32 scratch
+    matrix with one kernel, then cuBLAS multiplies (cupy.matmul). It costs the fp32 bytes of W once per call
+    (written, then read by cuBLAS) - once per prefill, not per token: for a prompt of M tokens that is
+    8 / M bytes per weight per token more than an fp32 prefill reads. A float32 W goes straight to cuBLAS."""
+    import cupy as cp
+    W, scale = _unpack(W, scale)
+    x = expect_array(x, "x", dtype=np.float32, ndim=2)
+    M, K = x.shape
+    if _dtype(W) == np.float32 and scale is None:
+        W = expect_array(W, "W", dtype=np.float32, ndim=2, shape=(None, K))
+        y = out_array(out, (M, W.shape[0]))
+        return cp.matmul(x, W.T, out=y)
+    _, _, N, scale = _lowp_weight(W, scale, K, None)
+    y = out_array(out, (M, N))
+    return cp.matmul(x, dequantize(W, scale).T, out=y)
 
 
 # ----------------------------------------------------------------------------- choosing a token
@@ -286,8 +484,8 @@ def argmax(logits, tokens, pos=None, lens=None):
     if adv:
         _index_vector(pos, "pos", B)
         _index_vector(lens, "lens", B)
-    kernel("argmax_v1")((B,), (1024,), (logits, np.int32(V), tokens, pos if adv else tokens,
-                                        lens if adv else tokens, np.int32(adv)))
+    _launch(kernel("argmax_v1"), (B,), (1024,), (logits, np.int32(V), tokens, pos if adv else tokens,
+                                                 lens if adv else tokens, np.int32(adv)))
     return tokens
 
 
@@ -297,7 +495,7 @@ def advance(pos, lens):
     _index_vector(lens, "lens", pos.size)
     if pos.size > 1024:
         raise ValueError(f"pos: advance_v1 is one block of at most 1024 threads, got {pos.size} sequences")
-    kernel("advance_v1")((1,), (max(32, -(-pos.size // 32) * 32),), (pos, lens, np.int32(pos.size)))
+    _launch(kernel("advance_v1"), (1,), (max(32, -(-pos.size // 32) * 32),), (pos, lens, np.int32(pos.size)))
 
 
 # Every kernel name the wrappers above can ask gpt2.cu for (a CPU test compiles each one offline).
@@ -310,9 +508,16 @@ KERNEL_NAMES = (
 
 # gpt2.cu's constants and template instantiations: kernel() compiles every instantiation in one module
 # (get_kernel(..., templates=)), and tests/test_compile.py compiles the same offline for every arch.
-CU_DEFINES = {CU: defines(ROWS, V5_UNROLL)}
-CU_TEMPLATES = {CU: tuple(n for n in KERNEL_NAMES if "<" in n)}
+# gemv_lowp.cu's: gemv_v6 (bf16) and gemv_v7 (int8) with v5's epilogues and prologue, and the prefill's widening.
+LOWP_KERNEL_NAMES = ("dequant_bf16_v1", "dequant_int8_v1",
+                     *(f"gemv_v{v}<{e}, {ln}>" for v in GEMV_LOWP_VERSIONS
+                       for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_RESID", "EPI_QKV")
+                       for ln in ("false", "true")))
+CU_DEFINES = {CU: defines(ROWS, V5_UNROLL), LOWP_CU: lowp_defines()}
+CU_TEMPLATES = {CU: tuple(n for n in KERNEL_NAMES if "<" in n),
+                LOWP_CU: tuple(n for n in LOWP_KERNEL_NAMES if "<" in n)}
 
 __all__ = ["embedding", "bias_gelu", "kv_cache_fill", "gemv", "gemv_qkv", "argmax", "advance", "layernorm",
            "residual_layernorm", "flash_attention_qkv", "decode_attention", "decode_split_count", "kernel",
-           "defines", "KERNEL_NAMES"]
+           "defines", "KERNEL_NAMES", "matmul_lowp", "dequantize", "lowp_format", "lowp_kernel", "lowp_defines",
+           "LOWP_KERNEL_NAMES", "GEMV_LOWP_VERSIONS", "programmatic"]

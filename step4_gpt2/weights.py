@@ -9,13 +9,20 @@ The layout is the one of Hugging Face's `openai-community/gpt2` `model.safetenso
     h.{i}.mlp.c_fc.weight (C, 4C) + bias     h.{i}.mlp.c_proj.weight (4C, C) + bias
 
 Conv1D weights are (in, out): y = x @ W + b. `h.{i}.attn.bias` / `attn.masked_bias` (causal-mask buffers)
-are ignored; `lm_head.weight` is tied to `wte.weight`. fp16 and bf16 files are upcast to fp32 on loading.
-Everything here is NumPy: no GPU needed.
+are ignored; `lm_head.weight` is tied to `wte.weight`. fp16 and bf16 files are upcast to fp32 on loading,
+unless dtype="bf16" asks for the weight matrices in bf16 (below). Everything here is NumPy: no GPU needed.
 
     cfg, params, is_random = load("gpt2")          # the Hugging Face cache first, else a download, else
                                                    # (offline, nothing cached) random weights, said so
     cfg, params, _ = load(path="my_model")         # a folder with model.safetensors (+ config.json), or
                                                    # the .safetensors file itself (a checkpoint of 04b)
+    cfg, params, _ = load("gpt2", dtype="bf16")    # the weight matrices as bf16 bit patterns (uint16)
+
+dtype="bf16": the matrices a GEMV reads (wte and every block's four Conv1D weights, `is_matrix`) come back as
+uint16 arrays of bf16 bit patterns (NumPy has no bfloat16; step4_gpt2/quantize.py converts them): a bf16
+file's bits are kept as they are, an fp32 or fp16 file's values are rounded to the nearest bf16 (ties to
+even). Biases, LayerNorm parameters and wpe stay float32 (widened exactly from bf16): they are a small share
+of a step's bytes, and the kernels add them in fp32.
 Downloads go through huggingface_hub, so its settings apply: HF_HUB_OFFLINE=1 (cache only), HF_HOME /
 HF_HUB_CACHE (where the cache is), HTTPS_PROXY (proxies). Before downloading, `online()` checks within 2 s
 that the hub (or the proxy) answers at all, so a machine without a network falls back at once.
@@ -35,6 +42,7 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CONFIG_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")     # config.json keys GPTConfig needs
 PROBE_TIMEOUT_S = 2.0            # online(): seconds to wait for a connection to the hub
+DTYPES = ("fp32", "bf16")      # load(dtype=): how the weight matrices come back
 GIBBERISH = ("NOTICE: using RANDOM weights (no download). The model runs exactly like GPT-2 - same shapes, "
              "same FLOPs, same bytes - but the text it writes will be gibberish.")
 
@@ -171,15 +179,21 @@ def infer_config(tensors: dict, n_head: int | None = None, eps: float = 1e-5) ->
     return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=C, vocab_size=V, block_size=T, eps=eps)
 
 
-def validate(tensors: dict, cfg: GPTConfig) -> None:
-    """Raise WeightFileError listing missing, unexpected and mis-shaped tensors (all of them, by name)."""
+def is_matrix(name: str) -> bool:
+    """A weight matrix a GEMV reads (wte, the Conv1D weights), as opposed to wpe, biases and LayerNorms."""
+    return name == "wte.weight" or (name.startswith("h.") and name.endswith(".weight") and ".ln_" not in name)
+
+
+def validate(tensors: dict, cfg: GPTConfig, bf16: frozenset = frozenset()) -> None:
+    """Raise WeightFileError listing missing, unexpected and mis-shaped tensors (all of them, by name).
+    `bf16`: names whose uint16 arrays hold bf16 bit patterns (a float dtype in disguise)."""
     want = expected_shapes(cfg)
     missing = [n for n in want if n not in tensors]
     extra = [n for n in tensors if n not in want]
     shaped = [f"{n} has shape {tuple(tensors[n].shape)}, expected {want[n]}"
               for n in want if n in tensors and tuple(tensors[n].shape) != want[n]]
     dtypes = [f"{n} has dtype {tensors[n].dtype}" for n in want if n in tensors
-              and np.dtype(tensors[n].dtype).kind != "f"]
+              and np.dtype(tensors[n].dtype).kind != "f" and not (n in bf16 and tensors[n].dtype == np.uint16)]
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(missing[:12])}" + (" ..." if len(missing) > 12 else ""))
@@ -205,9 +219,9 @@ def weights_path(path) -> Path:
     return path
 
 
-def _bf16_tensors(path: Path, names: list) -> dict:
+def _bf16_tensors(path: Path, names: list, keep_bits: bool = False) -> dict:
     """BF16 tensors of a safetensors file as float32 (NumPy has no bfloat16; its 16 bits are the top half
-    of a float32, so shifting them left by 16 is exact)."""
+    of a float32, so shifting them left by 16 is exact), or with keep_bits as the uint16 bit patterns."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
@@ -215,38 +229,74 @@ def _bf16_tensors(path: Path, names: list) -> dict:
     for name in names:
         info = header[name]
         a, b = info["data_offsets"]
-        bits = np.fromfile(path, dtype="<u2", count=(b - a) // 2, offset=8 + n + a)
-        out[name] = (bits.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+        bits = np.fromfile(path, dtype="<u2", count=(b - a) // 2, offset=8 + n + a).astype(np.uint16)
+        out[name] = (bits if keep_bits else (bits.astype(np.uint32) << 16).view(np.float32)).reshape(info["shape"])
     return out
 
 
-def read_tensors(path) -> dict:
-    """{name: NumPy array} of a safetensors file, bf16 tensors upcast to float32."""
+def read_tensors(path, keep_bf16: bool = False) -> dict:
+    """{name: NumPy array} of a safetensors file, bf16 tensors upcast to float32 (keep_bf16: kept as uint16
+    bit patterns; `bf16_names(path)` says which those are)."""
+    return _read(path, keep_bf16)[0]
+
+
+def bf16_names(path) -> list:
+    """Names of a safetensors file's BF16 tensors (from its header, without reading the data)."""
     from safetensors import safe_open
-    path = Path(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
-            names = list(f.keys())
-            bf16 = [n for n in names if f.get_slice(n).get_dtype() == "BF16"]
-            out = {n: f.get_tensor(n) for n in names if n not in bf16}
-        out.update(_bf16_tensors(path, bf16))
+            return [n for n in f.keys() if f.get_slice(n).get_dtype() == "BF16"]
     except Exception as e:
         raise WeightFileError(f"path: {path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _read(path, keep_bf16: bool) -> tuple[dict, list]:
+    from safetensors import safe_open
+    path = Path(path)
+    bf16 = bf16_names(path)
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            out = {n: f.get_tensor(n) for n in f.keys() if n not in bf16}
+        out.update(_bf16_tensors(path, bf16, keep_bits=keep_bf16))
+    except Exception as e:
+        raise WeightFileError(f"path: {path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+    return out, bf16
+
+
+def as_dtype(params: dict, dtype: str = "fp32", bf16: frozenset = frozenset()) -> dict:
+    """params with the weight matrices (is_matrix) in `dtype` and every other tensor float32. `bf16`: names of
+    uint16 arrays that already hold bf16 bits (kept as they are for "bf16", widened exactly for "fp32");
+    float tensors are rounded to bf16 to nearest even (step4_gpt2.quantize.to_bf16)."""
+    from step4_gpt2.quantize import from_bf16, to_bf16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    out = {}
+    for n, t in params.items():
+        bits = n in bf16 and t.dtype == np.uint16
+        if dtype == "bf16" and is_matrix(n):
+            out[n] = np.ascontiguousarray(t) if bits else to_bf16(np.ascontiguousarray(t, dtype=np.float32))
+        else:
+            out[n] = from_bf16(t) if bits else np.ascontiguousarray(t, dtype=np.float32)
     return out
 
 
-def load_file(path, cfg: GPTConfig | None = None) -> tuple[GPTConfig, dict]:
+def load_file(path, cfg: GPTConfig | None = None, dtype: str = "fp32") -> tuple[GPTConfig, dict]:
     """Read a safetensors file (HF layout; or a folder holding model.safetensors) -> (config, {name: float32
-    NumPy array}), checked. fp16/bf16 tensors are upcast to float32.
+    NumPy array}), checked. fp16/bf16 tensors are upcast to float32; with dtype="bf16" the weight matrices
+    come back as uint16 bf16 bit patterns instead (as_dtype: a bf16 file's bits kept, others rounded).
 
     The config comes from `cfg`, else from a config.json beside the file, else from the shapes."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
     path = weights_path(path)
-    tensors = normalize(read_tensors(path))
+    raw, bf16 = _read(path, keep_bf16=dtype == "bf16")
+    tensors = normalize(raw)
+    bf16 = frozenset(n.removeprefix("transformer.") for n in bf16)
     if cfg is None:
         cj = path.parent / CONFIG_FILE
         cfg = GPTConfig.from_file(cj) if cj.is_file() else infer_config(tensors)
-    validate(tensors, cfg)
-    return cfg, {n: np.ascontiguousarray(t, dtype=np.float32) for n, t in tensors.items()}
+    validate(tensors, cfg, bf16)
+    return cfg, as_dtype(tensors, dtype, bf16)
 
 
 def repo_for(name: str) -> str:
@@ -362,23 +412,26 @@ def save(params: dict, cfg: GPTConfig, directory) -> Path:
 
 
 def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0,
-         notice: bool | str = True, cache_dir=None) -> tuple[GPTConfig, dict, bool]:
+         notice: bool | str = True, cache_dir=None, dtype: str = "fp32") -> tuple[GPTConfig, dict, bool]:
     """(config, params, is_random): `path` (a folder with model.safetensors [+ config.json], or the file) if
     given; else GPT-2 size `name` from the Hugging Face cache, else downloaded (when online()), else
     random weights with the gibberish notice, printed once, here (to stdout, or stderr with
-    notice="stderr", as the messages about the failed download; notice=False prints nothing)."""
+    notice="stderr", as the messages about the failed download; notice=False prints nothing).
+    dtype="bf16": the weight matrices as bf16 bit patterns (load_file), random ones rounded to bf16."""
     out = sys.stderr if notice == "stderr" else sys.stdout
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
     if path is not None:
-        cfg, params = load_file(path)
+        cfg, params = load_file(path, dtype=dtype)
         return cfg, params, False
     repo = repo_for(name)                  # an unknown name fails here, before any message
     cfg = GPTConfig.from_name(name)
     file = cached(repo, cache_dir=cache_dir)
     if file is not None:
-        return (*load_file(file, cfg), False)
+        return (*load_file(file, cfg, dtype), False)
     if online():
         try:
-            return (*load_file(download(repo, cache_dir=cache_dir), cfg), False)
+            return (*load_file(download(repo, cache_dir=cache_dir), cfg, dtype), False)
         except Exception as e:           # proxy refused, hub error, a bad file: say which, fall back
             if not allow_random:
                 raise
@@ -392,7 +445,7 @@ def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0
                                f"pass path= to a local {WEIGHTS_FILE} (or a folder holding one)")
         if notice:
             print(f"offline ({why}) and {repo} is not in the Hugging Face cache: not downloading", file=out)
-    return cfg, random_weights(cfg, seed, notice=notice), True
+    return cfg, as_dtype(random_weights(cfg, seed, notice=notice), dtype), True
 
 
 def summary(cfg: GPTConfig) -> str:
@@ -402,6 +455,7 @@ def summary(cfg: GPTConfig) -> str:
 
 
 __all__ = ["GPTConfig", "WeightFileError", "expected_shapes", "normalize", "infer_config", "validate",
-           "weights_path", "read_tensors", "load_file", "repo_for", "cached", "download", "online", "hub_address",
+           "weights_path", "read_tensors", "bf16_names", "is_matrix", "as_dtype", "DTYPES", "load_file",
+           "repo_for", "cached", "download", "online", "hub_address",
            "random_weights",
            "save", "load", "summary"]

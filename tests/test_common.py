@@ -584,6 +584,13 @@ def test_benchmark_table_prints_measured_values_not_verdicts():
     assert row.record()["target"] == "ratio >= 3" and "met" not in row.record()
 
 
+def test_small_rates_keep_two_significant_digits():
+    from common.benchmarks import cells, rate_text
+    assert [rate_text(v) for v in (123456.7, 12.34, 0.0022356, 0.088, 0.0, -0.0004)] == \
+        ["123,457", "12.3", "0.0022", "0.088", "0.0", "-0.0004"]
+    assert cells({"size": "s", "ms": 1.0, "rate": 0.0022356, "unit": "% ppl"})[2] == "0.0022 % ppl"
+
+
 # --- the course's modules: each imports alone, no import cycle, the reading path imports nothing from a lab --
 
 def _course_modules() -> dict:

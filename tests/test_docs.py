@@ -164,6 +164,8 @@ def _tree(tmp_path):
                       ("_private", "def run():\n    return []\n")):
         (tmp_path / "step9_demo" / sub).mkdir()
         (tmp_path / "step9_demo" / sub / "benchmarks.py").write_text(body)
+    (tmp_path / "step9_demo/train/benchmarks_bf16.py").write_text("def run():\n    return []\n")
+    (tmp_path / "step9_demo/lab/benchmarks_x.py").write_text("def other():\n    return []\n")   # no run()
     (tmp_path / "step8_only_sub/mega").mkdir(parents=True)     # a step whose only benchmarks are a subpackage's
     (tmp_path / "step8_only_sub/mega/benchmarks.py").write_text("def run():\n    return []\n")
     return tmp_path
@@ -173,16 +175,21 @@ def test_benchmark_families_in_subpackages(tmp_path):
     from common.benchmarks import family_of, families, select, valid_names
     root = _tree(tmp_path)
     assert valid_names(root) == ["step8_only_sub", "step8_only_sub:mega", "step9_demo", "step9_demo:alpha",
-                                 "step9_demo:flash", "step9_demo:train"]
+                                 "step9_demo:flash", "step9_demo:train", "step9_demo:train_bf16"]
     assert families("step9_demo", root)["train"] == [("step9_demo.train.benchmarks", None)]
     assert select(["step9_demo:train"], root) == [("step9_demo:train", "step9_demo.train.benchmarks", None)]
+    assert select(["step9_demo:train_bf16"], root) == [("step9_demo:train_bf16", "step9_demo.train.benchmarks_bf16",
+                                                        None)]
     assert [j[1] for j in select(["step9_demo"], root)] == ["step9_demo.benchmarks", "step9_demo.benchmarks_flash",
-                                                            "step9_demo.train.benchmarks"]
+                                                            "step9_demo.train.benchmarks",
+                                                            "step9_demo.train.benchmarks_bf16"]
     assert [j[1] for j in select(None, root)] == ["step8_only_sub.mega.benchmarks", "step9_demo.benchmarks",
-                                                  "step9_demo.benchmarks_flash", "step9_demo.train.benchmarks"]
+                                                  "step9_demo.benchmarks_flash", "step9_demo.train.benchmarks",
+                                                  "step9_demo.train.benchmarks_bf16"]
     with pytest.raises(ValueError, match="valid names are: step8_only_sub, step8_only_sub:mega"):
         select(["step9_demo:lab"], root)
     assert family_of("step9_demo", "step9_demo.train.benchmarks", None) == "step9_demo:train"
+    assert family_of("step9_demo", "step9_demo.train.benchmarks_bf16", None) == "step9_demo:train_bf16"
     assert family_of("step9_demo", "step9_demo.benchmarks_flash", None) == "step9_demo:flash"
     assert family_of("step9_demo:alpha", "step9_demo.benchmarks", "alpha_rows") == "step9_demo:alpha"
     assert family_of("step9_demo", "step9_demo.benchmarks", None) == "step9_demo"
@@ -195,6 +202,9 @@ def test_the_course_lists_step4s_subpackages():
     for sub in subs:
         assert f"step4_gpt2:{sub}" in names
         assert any(m == f"step4_gpt2.{sub}.benchmarks" for _, m, _ in select(["step4_gpt2"]))
+    # a subpackage's benchmarks_FAMILY.py is a family of its own, run by --only step4_gpt2 too
+    assert select(["step4_gpt2:train_bf16"]) == [("step4_gpt2:train_bf16", "step4_gpt2.train.benchmarks_bf16", None)]
+    assert any(m == "step4_gpt2.train.benchmarks_bf16" for _, m, _ in select(["step4_gpt2"]))
 
 
 def _run_json() -> dict:
@@ -315,6 +325,23 @@ def _run_json() -> dict:
         for split in ("2 (cvt.rna)", "1 (integer rounding)", "0 (small part truncated)"):
             for part in ("forward", "backward kernels"):
                 add(s, f"attention v3 {part}, split {split} T={T}", sz)
+    s = "step4_gpt2:train_bf16"             # step4_gpt2/train/benchmarks_bf16.py's names
+    for label, shape, B, T in (("shakespeare_char", "6L C384 V65", 64, 256), ("GPT-2 124M", "12L C768 V50257", 16,
+                                                                             1024)):
+        size = f"{label}: {shape} B{B} T{T}"
+        for v in ("ours fp32, CUDA graph", "ours bf16, CUDA graph", "ours bf16 + recompute, CUDA graph",
+                  "torch autocast bf16 eager", "torch.compile autocast bf16"):
+            add(s, f"train step, {v} (tok/s)", size, rate=1.5e6, unit="tok/s")
+        for anchor, target in (("ours fp32", ""), ("torch autocast bf16 eager", "ratio >= 1.5"),
+                               ("torch.compile autocast bf16", "ratio >= 1")):
+            add(s, f"train step, ours bf16 vs {anchor}", size, rate=1.5e6, unit="tok/s", anchor=anchor, ratio=1.6,
+                target=target)
+        add(s, "train step, bf16 + recompute vs bf16 (time paid)", size, rate=1.4e6, unit="tok/s",
+            anchor="ours bf16", ratio=0.93)
+        for v in ("fp32", "bf16", "bf16 + recompute"):
+            add(s, f"activations kept, {v} (MB)", f"{label}: B{B} T{T}", rate=900.0, unit="MB",
+                anchor="bf16's bytes" if v.endswith("recompute") else "", ratio=1.4 if v.endswith("recompute")
+                else None)
     s = "step4_gpt2:megakernel"
     for b in (1, 8):
         for ctx in (32, 991):

@@ -20,6 +20,11 @@ timeline of one step (where a step's time goes, per kind of stage: waiting for i
 knobs, what one hop between blocks costs (hops.cu), and the floor: the same decoders on a model whose every
 layer is layer 0, the megakernel also with those weights kept in L2, so what is left is the LM head's
 streaming and the chain of hops and dependent loads (floor_rows).
+
+Weights in fewer bytes (precision_ladder, precision_rows): the graph decode and megakernel v2 (one launch per
+token, and all steps in one launch) of GPT(precision="fp32" | "bf16" | "int8"), for GPT-2 124M and the GPT-2 XL
+shape (random weights; the XL rows where the GPU has room), at batch 1 and 8 and a cache of about 32 rows, each
+against its own bound: copy_bandwidth / GPT.weight_bytes_per_token() of that precision.
 """
 from __future__ import annotations
 
@@ -34,6 +39,9 @@ STEPS = 32
 REPEATS = 3
 CTXS = (32, 1000)
 BATCHES = (1, 8)
+PRECISIONS = ("fp32", "bf16", "int8")
+XL_MEMORY_FACTOR = 1.6   # GPU memory the XL precision rows need, in units of its fp32 weights (the fp32 model,
+                         # its decoders' transposed MLP copies and caches)
 
 
 def prompt_len(config, ctx: int) -> int:
@@ -214,6 +222,83 @@ def floor_rows(model, batch: int = 1, ctx: int = 32) -> list[Row]:
     return rows
 
 
+PRECISION_RUNGS = [("CUDA graph", "graph", {}), ("megakernel v2", "megakernel", {"version": 2}),
+                   ("megakernel v2, all steps in one launch", "megakernel", {"version": 2, "steps_per_launch": STEPS})]
+
+
+def precision_ladder(config, params=None, precisions=PRECISIONS, batches=BATCHES, ctx: int = 32) -> dict:
+    """{(precision, batch, rung): seconds per step} of PRECISION_RUNGS for GPT(config, params, precision=...)
+    (params: any mapping in the HF layout, e.g. lesson 4f's GPU-drawn random weights; None: weights.random_weights),
+    one model on the GPU at a time."""
+    import gc
+
+    import cupy as cp
+    from step4_gpt2 import weights as W
+    from step4_gpt2.model import GPT
+    params = params if params is not None else W.random_weights(config, notice=False)
+    ctx = prompt_len(config, ctx)
+    out = {}
+    for p in precisions:
+        model = GPT(config, params, precision=p)
+        for B in batches:
+            ids = random_ids(config, B, ctx, seed=B)
+            for label, mode, opts in PRECISION_RUNGS:
+                dec = decoder(model, mode, B, ctx, **opts)
+                out[(p, B, label)] = decode_s(dec, ids) / STEPS
+                del dec
+        del model
+        gc.collect()
+        cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def precision_rows(label: str, config, times: dict, bw: float, ctx: int = 32) -> list[Row]:
+    """Rows of precision_ladder's times for a shape labelled `label`: each rung against its own precision's
+    weight-bandwidth bound, the megakernel rungs against the graph decode of their precision, and the best
+    rung of bf16 and int8 against fp32's graph decode (at the XL shape, batch 1: checked against the
+    lesson's targets)."""
+    from step4_gpt2.model import weight_bytes_per_token
+    rows = []
+    size = lambda B: f"{label}, b={B}, ctx {prompt_len(config, ctx)}"          # noqa: E731
+    for (p, B, rung), s in times.items():
+        bound = bw * 1e9 / weight_bytes_per_token(config, p)                   # steps/s
+        r = Row(f"decode {p} {rung}", size(B), s * 1e3, B / s, "tok/s", f"{p} weight-bw bound", 1 / s / bound)
+        if rung != "CUDA graph" and (p, B, "CUDA graph") in times:
+            r.anchor, r.ratio = f"{p} CUDA graph", times[(p, B, "CUDA graph")] / s
+        rows.append(r)
+    for p, B in dict.fromkeys((p, B) for p, B, _ in times):
+        fp32 = times.get(("fp32", B, "CUDA graph"))
+        if p == "fp32" or fp32 is None:
+            continue
+        best = min(s for (q, b, _), s in times.items() if (q, b) == (p, B))
+        bound = bw * 1e9 / weight_bytes_per_token(config, p)
+        vs = Row(f"decode {p} best rung vs fp32", size(B), best * 1e3, B / best, "tok/s", anchor="fp32 CUDA graph",
+                 ratio=fp32 / best)
+        frac = Row(f"decode {p} best rung: bandwidth", size(B), best * 1e3, B / best, "tok/s",
+                   f"{p} weight-bw bound", 1 / best / bound)
+        if label.startswith("XL") and B == 1:
+            vs.check("ratio", {"bf16": 1.8, "int8": 3.0}[p])
+            frac.check("fraction", 0.70)
+        rows += [vs, frac]
+    return rows
+
+
+def precision_shape_rows(bw: float) -> list[Row]:
+    """precision_rows for GPT-2 124M and the XL shape (skipped, with the reason printed, where the GPU is short
+    of memory)."""
+    from common import memory_left
+    from step4_gpt2 import weights as W
+    rows = []
+    for name, label in (("gpt2", "124M"), ("gpt2-xl", "XL 1.5B")):
+        cfg = W.GPTConfig.from_name(name)
+        need, left = XL_MEMORY_FACTOR * 4 * cfg.n_params(), memory_left()
+        if left < need:
+            print(f"{label} precision rows skipped: about {need / 1e9:.1f} GB needed, {left / 1e9:.1f} GB left")
+            continue
+        rows += precision_rows(label, cfg, precision_ladder(cfg), bw)
+    return rows
+
+
 def run() -> list[Row]:
     model, hf, _ = setup()
     rows, _ = ladder(model, hf)
@@ -221,6 +306,8 @@ def run() -> list[Row]:
     rows += timeline_rows(model)
     rows += hop_rows()
     rows += floor_rows(model)
+    del model, hf
+    rows += precision_shape_rows(copy_bandwidth())
     return rows
 
 

@@ -99,50 +99,64 @@ __device__ __forceinline__ void red_add4(float* p, float4 v) {
 #endif
 }
 
-// s[b] += sum over rows r0 + g, r0 + g + KG, ... < r1 of h[b][r] Wt[r][float4 column c], DU rows' loads in
-// flight at once.
-template <int KG>
-__device__ __forceinline__ void mlp_column(float4 (&s)[NB], const float* hs, const float4* __restrict__ W4, int c,
+// s[b] += sum over rows r0 + g, r0 + g + KG, ... < r1 of h[b][r] Wt[r][float4 column c] (four weights of
+// format WT, widened in registers), DU rows' loads in flight at once.
+template <int KG, int WT = W_F32>
+__device__ __forceinline__ void mlp_column(float4 (&s)[NB], const float* hs, const void* __restrict__ Wt, int c,
                                            int g, int r0, int r1) {
+    using V4 = typename Fmt<WT>::V4;
     constexpr int C4 = C / 4, DU = NB > 4 ? 8 : 16;
+    const V4* W4 = reinterpret_cast<const V4*>(Wt);
     for (int r = r0 + g; r < r1; r += KG * DU) {
-        float4 wv[DU];
+        V4 wq[DU];
 #pragma unroll
         for (int i = 0; i < DU; ++i) {
             const int rr = r + i * KG;
-            wv[i] = rr < r1 ? ld_weight<true>(W4 + (long long)rr * C4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            wq[i] = rr < r1 ? ld_weight<true>(W4 + (long long)rr * C4 + c) : V4();     // V4(): zero bits
         }
 #pragma unroll
         for (int i = 0; i < DU; ++i) {
+            const float4 wv = Fmt<WT>::widen4(wq[i]);
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 const float hv = hs[b * MK_HCAP + min(r + i * KG, r1 - 1) - r0];     // wv is 0 past r1
-                s[b].x += hv * wv[i].x; s[b].y += hv * wv[i].y; s[b].z += hv * wv[i].z; s[b].w += hv * wv[i].w;
+                s[b].x += hv * wv.x; s[b].y += hv * wv.y; s[b].z += hv * wv.z; s[b].w += hv * wv.w;
             }
         }
     }
 }
 
 // acc (NB x C) += h rows [r0, r1) (shared: hs[b * MK_HCAP + r - r0]) times the same rows of Wt (4C x C, mlp
-// c_proj transposed): the block's share of the down projection, split over its inputs. KG groups of threads
-// take every KG-th row, a thread per float4 column (WIDE: a thread takes columns in turns); with KG > 1 their
-// sums meet in shared memory (dn, KG x NB x C). One atomic per float4 adds a column's sum to acc
+// c_proj transposed, format MK_WT): the block's share of the down projection, split over its inputs. KG groups
+// of threads take every KG-th row, a thread per float4 column (WIDE: a thread takes columns in turns); with
+// KG > 1 their sums meet in shared memory (dn, KG x NB x C). One atomic per float4 adds a column's sum to acc
 // (red.global.add.v4.f32 on sm_90, four scalar ones before). `bias`: added once (the caller passes it in one
-// block only).
-__device__ MK_OUTLINE void mlp_down(const float* hs, const float* __restrict__ Wt, const float* __restrict__ bias,
-                                    int r0, int r1, float* dn, float* acc) {
+// block only). int8: column c of Wt is output row c of mlp c_proj, so its scale (scale[c], C of them)
+// multiplies the column's sum, before the bias.
+__device__ MK_OUTLINE void mlp_down(const float* hs, const void* __restrict__ Wt, const float* __restrict__ bias,
+                                    const float* __restrict__ scale, int r0, int r1, float* dn, float* acc) {
     constexpr int C4 = C / 4;
     constexpr bool WIDE = C4 > MK_THREADS;
     constexpr int KG = WIDE ? 1 : MK_THREADS / C4;
-    const float4* W4 = reinterpret_cast<const float4*>(Wt);
     const float4* bias4 = reinterpret_cast<const float4*>(bias);
     const int g = WIDE ? 0 : threadIdx.x / C4;
     float4* dn4 = reinterpret_cast<float4*>(dn);
     for (int c = WIDE ? threadIdx.x : threadIdx.x % C4; c < C4 && g < KG; c += WIDE ? MK_THREADS : C4) {
         float4 s[NB];
+        const bool add_bias = bias && g == 0;
 #pragma unroll
-        for (int b = 0; b < NB; ++b) s[b] = bias && g == 0 ? __ldg(bias4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-        mlp_column<KG>(s, hs, W4, c, g, r0, r1);
+        for (int b = 0; b < NB; ++b)
+            s[b] = add_bias && MK_WT != W_I8 ? __ldg(bias4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        mlp_column<KG, MK_WT>(s, hs, Wt, c, g, r0, r1);
+        if (MK_WT == W_I8) {     // this group's partial sum of the codes, scaled (the scale is per column, so
+                                 // scaling each partial sum before the atomic add equals scaling the total), then the bias
+            const float4 sc = __ldg(reinterpret_cast<const float4*>(scale) + c);
+            const float4 bb = add_bias ? __ldg(bias4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+                s[b] = make_float4(s[b].x * sc.x + bb.x, s[b].y * sc.y + bb.y, s[b].z * sc.z + bb.z,
+                                   s[b].w * sc.w + bb.w);
+        }
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             if (KG == 1) red_add4(acc + b * C + 4 * c, s[b]);

@@ -11,6 +11,7 @@
 #define MK_VERSION 1
 #include "megakernel.cuh"           // constants, the bounded wait, weight loads, GEMV tiles
 #include "megakernel_stages.cuh"    // LayerNorm, the MLP's down projection, attention
+static_assert(MK_WT == W_F32, "MK_WT: v1 reads fp32 weights; the bf16 and int8 builds are v2's (megakernel_v2.cu)");
 
 // ------------------------------------------------------------------------------------------ the kernel
 struct Work {              // float workspace (the host allocates it as one buffer)
@@ -21,7 +22,8 @@ struct Work {              // float workspace (the host allocates it as one buff
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
 megakernel_decode(const unsigned long long* __restrict__ lw, const float* __restrict__ wte,
                   const float* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
-                  int* tokens, int* pos, int* lens, float* ws, unsigned* sync, unsigned long long* amax,
+                  const void* __restrict__ head, const float* __restrict__ head_s, int* tokens, int* pos, int* lens,
+                  float* ws, unsigned* sync, unsigned long long* amax,
                   float* logits, int* out_tokens, int L, int nch, int nsteps, unsigned epoch, unsigned bar_base,
                   long long timeout_ns, int* err) {
     extern __shared__ float4 smem4[];
@@ -147,14 +149,14 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                     }
                     __syncthreads();
                     // the bias once: by the block with row 0 (block 0 has no rows when the grid is wider than 4C/R)
-                    mlp_down(hs, WmprojT, c0 == 0 ? (const float*)P[LW_MPROJB] : nullptr, c0 * R,
+                    mlp_down(hs, WmprojT, c0 == 0 ? (const float*)P[LW_MPROJB] : nullptr, nullptr, c0 * R,
                              min(c1 * R, 4 * C), dn, wk.acc);
                 }
             }
             MK_STAMP(sidx, 2);
         }
 
-        // ================= LM head: logits = LayerNorm_f(x + acc) wte^T, greedy choice
+        // ================= LM head: logits = LayerNorm_f(x + acc) head^T (head: wte, tied), greedy choice
         const int sidx = step * STAGES_PER_STEP + STAGES_PER_LAYER * NL;
         MK_STAMP(sidx, 0);
         if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;
@@ -165,7 +167,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr, 0, 0, false, 0.0f};
             int rg0, rg1;
             tile_range<VOCAB>(rg0, rg1);
-            gemv_tile<C, VOCAB, EPI_LOGITS>(w, false, wte, xs, part, e, rg0, rg1);
+            gemv_tile<C, VOCAB, EPI_LOGITS>(w, false, head, xs, part, e, rg0, rg1);
         }
         if (threadIdx.x < NB && sbest[threadIdx.x]) atomicMax(amax + threadIdx.x, sbest[threadIdx.x]);
         __syncthreads();

@@ -11,6 +11,10 @@
 //     next stage's weights (prefetch.global.L2), so the DRAM keeps streaming weights while blocks wait,
 //     normalise or do attention.
 //
+// The weights may be fp32, bf16 or int8 (MK_WT for the layers, MK_WT_HEAD for the LM head: megakernel.cuh's
+// weight formats): the stages are the same; each GEMV tile and the MLP's down projection are instantiated for
+// the format, and the host picks the build from the model's weights (megakernel.py).
+//
 // One launch runs nsteps greedy decode steps: the chosen token feeds the next step on the device.
 #define MK_VERSION 2
 #include "megakernel.cuh"           // constants, the bounded wait, weight loads, GEMV tiles
@@ -25,7 +29,8 @@ struct Work {              // float workspace (the host allocates it as one buff
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
 megakernel_decode(const unsigned long long* __restrict__ lw, const float* __restrict__ wte,
                   const float* __restrict__ wpe, const float* __restrict__ lnf_w, const float* __restrict__ lnf_b,
-                  int* tokens, int* pos, int* lens, float* ws, unsigned* sync, unsigned long long* amax,
+                  const void* __restrict__ head, const float* __restrict__ head_s, int* tokens, int* pos, int* lens,
+                  float* ws, unsigned* sync, unsigned long long* amax,
                   float* logits, int* out_tokens, int L, int nch, int nsteps, unsigned epoch, unsigned bar_base,
                   long long timeout_ns, int* err) {
     extern __shared__ float4 smem4[];
@@ -59,7 +64,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         }
     }
     (void)bar_base;
-    float4 w[R][U];
+    typename Fmt<MK_WT>::V w[R][U];          // a wave's weights (float4, or 16 bytes of bf16/int8 bits)
     if (threadIdx.x == 0) s_abort = 0;
 
     for (int step = 0; step < nsteps; ++step) {
@@ -68,10 +73,10 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
         if (step > 0 && !block_wait(sync + S_TOK_DONE, gs, ctl, Where{ST_QKV, 0, step})) return;
         for (int layer = 0; layer < NL; ++layer) {
             const unsigned long long* P = lw + layer * LW_COUNT;
-            const float* Wattn = (const float*)P[LW_ATTNW];
-            const float* Wproj = (const float*)P[LW_PROJW];
-            const float* Wfc = (const float*)P[LW_FCW];
-            const float* WmprojT = (const float*)P[LW_MPROJWT];
+            const void* Wattn = (const void*)P[LW_ATTNW];          // format MK_WT
+            const void* Wproj = (const void*)P[LW_PROJW];
+            const void* Wfc = (const void*)P[LW_FCW];
+            const void* WmprojT = (const void*)P[LW_MPROJWT];
             float* kc = (float*)P[LW_KCACHE];
             float* vc = (float*)P[LW_VCACHE];
             const unsigned gl = gs * NL + layer;
@@ -79,8 +84,8 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
 
             // ================= QKV: x -> LayerNorm -> q, k/v appended
             MK_STAMP(sidx, 0);
-            prefetch_tile<C, C, EPI_RESID>(Wproj);     // two stages ahead: attention reads no weights
-            gemv_preload<C, 3 * C, EPI_QKV>(w, Wattn);
+            prefetch_tile<C, C, EPI_RESID, MK_WT>(Wproj);     // two stages ahead: attention reads no weights
+            gemv_preload<C, 3 * C, EPI_QKV, MK_WT>(w, Wattn);
             if (layer > 0 && !block_wait(sync + S_X2_DONE, gl * G, ctl, Where{ST_QKV, layer, step})) return;
             MK_STAMP(sidx, 1);
             if (threadIdx.x < NB) {
@@ -92,10 +97,11 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             ln_rows(wk.x, layer > 0 ? wk.acc : nullptr, (const float*)P[LW_LN1W], (const float*)P[LW_LN1B], xs,
                     layer == 0, wte, wpe, stok, spos, wk.x);
             {
-                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr, nullptr, 0, 0, false, 0.0f};
+                const Epi e{(const float*)P[LW_ATTNB], wk.q, kc, vc, spos, L, nullptr, nullptr, 0, 0, false, 0.0f,
+                            (const float*)P[LW_ATTNS]};
                 int rg0, rg1;
                 tile_range<3 * C>(rg0, rg1);
-                gemv_tile<C, 3 * C, EPI_QKV>(w, true, Wattn, xs, part, e, rg0, rg1);
+                gemv_tile<C, 3 * C, EPI_QKV, MK_WT>(w, true, Wattn, xs, part, e, rg0, rg1);
             }
             {   // announce the finished rows of each head
                 int rg0, rg1;
@@ -130,7 +136,7 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             }
             __syncthreads();
             if (s_abort) return;
-            prefetch_tile<C, 4 * C, EPI_GELU>(Wfc);        // two stages ahead, once this block's units are done
+            prefetch_tile<C, 4 * C, EPI_GELU, MK_WT>(Wfc);  // two stages ahead, once this block's units are done
             MK_STAMP(sidx, 2);
 
             // ================= PROJ: x += att W^T + b (+ the last layer's MLP sums, acc, which it zeroes)
@@ -140,9 +146,9 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             {   // the MLP's down-projection rows of this block (all of them: it loads them at once)
                 int rg0, rg1;
                 tile_range<4 * C>(rg0, rg1);
-                prefetch_rows<C, 4 * C, EPI_GELU>(WmprojT, rg0 * R, rg1 * R);
+                prefetch_rows<C, 4 * C, EPI_GELU, Fmt<MK_WT>::BYTES>(WmprojT, rg0 * R, rg1 * R);
             }
-            gemv_preload<C, C, EPI_RESID>(w, Wproj);      // its rows are in L2 (two stages ahead): into registers
+            gemv_preload<C, C, EPI_RESID, MK_WT>(w, Wproj);   // its rows are in L2 (two stages ahead): into registers
             if (MK_PRE_RESID) pre = resid_preload(wk.x, wk.acc, (const float*)P[LW_PROJB], layer, wte, wpe, stok, spos);
             if (!block_wait(sync + S_ATT_DONE, (gl + 1) * NB * NH * (proj_merges(nch) ? nch : 1), ctl,
                             Where{ST_PROJ, layer, step})) return;
@@ -151,10 +157,10 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             else copy_rows(wk.att, xs, NB * C / 4);
             {
                 const Epi e{(const float*)P[LW_PROJB], wk.x, nullptr, nullptr, spos, L, nullptr, wk.acc, layer > 0, 0,
-                            MK_PRE_RESID, pre};
+                            MK_PRE_RESID, pre, (const float*)P[LW_PROJS]};
                 int rg0, rg1;
                 tile_range<C>(rg0, rg1);
-                gemv_tile<C, C, EPI_RESID>(w, true, Wproj, xs, part, e, rg0, rg1);
+                gemv_tile<C, C, EPI_RESID, MK_WT>(w, true, Wproj, xs, part, e, rg0, rg1);
             }
             block_signal(sync + S_X_DONE, 1, ctl);
             MK_STAMP(sidx, 2);
@@ -164,10 +170,10 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
             MK_STAMP(sidx, 0);
             {   // the stage after this one: the next layer's QKV rows, or the LM head's first waves
                 const unsigned long long* Pn = lw + (layer + 1 < NL ? layer + 1 : layer) * LW_COUNT;
-                if (layer + 1 < NL) prefetch_tile<C, 3 * C, EPI_QKV>((const float*)Pn[LW_ATTNW]);
-                else prefetch_tile<C, VOCAB, EPI_LOGITS>(wte);
+                if (layer + 1 < NL) prefetch_tile<C, 3 * C, EPI_QKV, MK_WT>((const void*)Pn[LW_ATTNW]);
+                else prefetch_tile<C, VOCAB, EPI_LOGITS, MK_WT_HEAD>(head);
             }
-            gemv_preload<C, 4 * C, EPI_GELU>(w, Wfc);
+            gemv_preload<C, 4 * C, EPI_GELU, MK_WT>(w, Wfc);
             if (!block_wait(sync + S_X_DONE, (gl + 1) * G, ctl, Where{ST_MLP, layer, step})) return;
             MK_STAMP(sidx, 1);
             ln_rows(wk.x, nullptr, (const float*)P[LW_LN2W], (const float*)P[LW_LN2B], xs, false, wte, wpe, stok,
@@ -177,36 +183,37 @@ megakernel_decode(const unsigned long long* __restrict__ lw, const float* __rest
                 tile_range<4 * C>(rg0, rg1);
                 for (int c0 = rg0; c0 < rg1; c0 += MK_HCAP / R) {         // one pass unless the grid is small
                     const int c1 = min(rg1, c0 + MK_HCAP / R);
-                    const Epi e{(const float*)P[LW_FCB], hs, nullptr, nullptr, spos, L, nullptr, nullptr, 0, c0 * R, false, 0.0f};
+                    const Epi e{(const float*)P[LW_FCB], hs, nullptr, nullptr, spos, L, nullptr, nullptr, 0, c0 * R,
+                                false, 0.0f, (const float*)P[LW_FCS]};
                     if (c0 == rg0) {
-                        gemv_tile<C, 4 * C, EPI_GELU>(w, true, Wfc, xs, part, e, c0, c1);
+                        gemv_tile<C, 4 * C, EPI_GELU, MK_WT>(w, true, Wfc, xs, part, e, c0, c1);
                     } else {                                        // w is dead from here: no registers held
-                        float4 w2[R][U];
-                        gemv_tile<C, 4 * C, EPI_GELU>(w2, false, Wfc, xs, part, e, c0, c1);
+                        typename Fmt<MK_WT>::V w2[R][U];
+                        gemv_tile<C, 4 * C, EPI_GELU, MK_WT>(w2, false, Wfc, xs, part, e, c0, c1);
                     }
                     __syncthreads();
                     // the bias once: by the block with row 0 (block 0 has no rows when the grid is wider than 4C/R)
-                    mlp_down(hs, WmprojT, c0 == 0 ? (const float*)P[LW_MPROJB] : nullptr, c0 * R,
-                             min(c1 * R, 4 * C), dn, wk.acc);
+                    mlp_down(hs, WmprojT, c0 == 0 ? (const float*)P[LW_MPROJB] : nullptr, (const float*)P[LW_MPROJS],
+                             c0 * R, min(c1 * R, 4 * C), dn, wk.acc);
                 }
             }
             block_signal(sync + S_X2_DONE, 1, ctl);
             MK_STAMP(sidx, 2);
         }
 
-        // ================= LM head: logits = LayerNorm_f(x + acc) wte^T, greedy choice
+        // ================= LM head: logits = LayerNorm_f(x + acc) head^T (fp32: wte, tied), greedy choice
         const int sidx = step * STAGES_PER_STEP + STAGES_PER_LAYER * NL;
         MK_STAMP(sidx, 0);
         if (threadIdx.x < NB) sbest[threadIdx.x] = 0ull;
-        gemv_preload<C, VOCAB, EPI_LOGITS>(w, wte);
+        gemv_preload<C, VOCAB, EPI_LOGITS, MK_WT_HEAD>(w, head);
         if (!block_wait(sync + S_X2_DONE, (gs * NL + NL) * G, ctl, Where{ST_LM, NL, step})) return;
         MK_STAMP(sidx, 1);
         ln_rows(wk.x, wk.acc, lnf_w, lnf_b, xs, false, wte, wpe, stok, spos, wk.x);
         {
-            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr, 0, 0, false, 0.0f};
+            const Epi e{nullptr, logits, nullptr, nullptr, spos, L, sbest, nullptr, 0, 0, false, 0.0f, head_s};
             int rg0, rg1;
             tile_range<VOCAB>(rg0, rg1);
-            gemv_tile<C, VOCAB, EPI_LOGITS>(w, true, wte, xs, part, e, rg0, rg1);
+            gemv_tile<C, VOCAB, EPI_LOGITS, MK_WT_HEAD>(w, true, head, xs, part, e, rg0, rg1);
         }
         if (threadIdx.x < NB && sbest[threadIdx.x]) atomicMax(amax + threadIdx.x, sbest[threadIdx.x]);
         __syncthreads();

@@ -382,13 +382,18 @@ class Trainer:
         return self
 
     @classmethod
-    def from_checkpoint(cls, directory, config: TrainConfig | None = None) -> "Trainer":
+    def from_checkpoint(cls, directory, config: TrainConfig | None = None, precision: str = "fp32",
+                        recompute: bool = False) -> "Trainer":
         """A Trainer (model built from config.json) resumed from `directory`; the saved TrainConfig unless
-        `config` is given."""
+        `config` is given. precision="bf16" (and recompute=True) resume in mixed precision (mixed.make_model):
+        the checkpoint holds the fp32 master weights and AdamW state either way."""
         cfg, params, opt, state = _read_checkpoint(directory)
         if config is None:
             config = TrainConfig(**state["train_config"])
-        return cls(TrainGPT(cfg, params), config)._resume(opt, state)
+        if precision == "fp32" and not recompute:
+            return cls(TrainGPT(cfg, params), config)._resume(opt, state)
+        from step4_gpt2.train.mixed import make_model
+        return cls(make_model(cfg, params, precision=precision, recompute=recompute), config)._resume(opt, state)
 
 
 def _read_checkpoint(directory, model_config: GPTConfig | None = None) -> tuple[GPTConfig, dict, dict, dict]:

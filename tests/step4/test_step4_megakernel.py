@@ -62,6 +62,22 @@ def test_supports_asks_for_greedy_and_a_batch_it_takes():
     model = SimpleNamespace(config=G124)
     assert M.supports(model, 1, False) is False
     assert M.supports(model, M.AUTO_MAX_BATCH + 1, True) is False and M.supports(model, 0, True) is False
+    assert M.supports(SimpleNamespace(config=G124, precision="bf16"), 1, True) is False    # no GPU asked
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_low_precision_models_are_refused_by_v1_only(precision):
+    """v1 reads fp32 weights: a GPT(precision="bf16"/"int8") model is refused by name before any GPU call (it
+    would read bf16 bits or int8 codes as floats); v2 takes it (tests/step4/test_megakernel_lowp.py), and
+    auto-selection keeps to AUTO_PRECISIONS."""
+    from types import SimpleNamespace
+    model = SimpleNamespace(config=G124, precision=precision, lm_head_precision=precision)
+    assert M.precision_reason(SimpleNamespace(config=G124, precision="fp32")) is None
+    assert M.precision_reason(SimpleNamespace(config=G124)) is None            # models before lesson 4f: fp32
+    assert M.precision_reason(model) is None and M.precision_reason(model, 2) is None
+    with pytest.raises(ValueError, match=rf"version: megakernel v1 reads fp32 weights.*{precision}"):
+        M.MegakernelDecoder(model, 1, 40, version=1)
+    assert precision not in M.AUTO_PRECISIONS and M.supports(model, 1, True) is False      # no GPU asked
 
 
 def test_the_reading_path_imports_nothing_from_the_lab():

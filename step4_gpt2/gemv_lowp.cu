@@ -1,0 +1,268 @@
+// gemv_lowp.cu - the decode GEMV reading fewer bytes per weight: bf16 and int8 weights, fp32 arithmetic.
+//
+// A decode step at batch 1 reads every weight once and does 2 FLOPs with it, so its time is the weight
+// bytes over the memory bandwidth. Halving the bytes halves the bound; the arithmetic can stay fp32, because
+// a weight is widened to float in registers, after the load, where it costs no bandwidth at all:
+//
+//   bytes per token, GPT-2 124M (123.5M matrix weights, 0.12M biases and LayerNorm parameters kept fp32)
+//     fp32   494.6 MB                               the bound at 3 TB/s: 165 us per token
+//     bf16   247.6 MB                                                     83 us
+//     int8   124.6 MB (with 133K fp32 row scales)                         42 us
+//   GPT-2 XL (1.5B): 6224 / 3114 / 1562 MB.
+//   At batch B a weight serves B rows: 2B FLOPs per 4, 2 or 1 bytes. An H100 (about 60 TFLOP/s of fp32 FMA
+//   against about 3.35 TB/s) breaks even near 18 FLOPs per byte: B ~ 36 for fp32 weights, ~18 for bf16, ~9
+//   for int8 (fewer still, counting the instructions that widen each weight). Fewer bytes pay at small batch.
+//
+// The versions continue gpt2.cu's gemv_v1..v5 (same (N, K) = (out, in) layout, same epilogues, same
+// LayerNorm prologue, same launch). They live in their own file because only the weight format changes:
+// gpt2.cu teaches how to keep every fp32 byte in flight, this file how to make the bytes fewer, and v5's
+// kernel stays readable without a weight-type parameter threaded through it.
+//
+//   gemv_v6      v5 with bf16 weights (uint16 bit patterns). One 16-byte load brings 8 weights instead of 4;
+//                a bf16 is the top half of a float32, so widening it is a shift: __uint_as_float(u << 16)
+//                (plain integer work, no sm_80 instruction: this runs on every GPU the course supports).
+//   gemv_v7      v5 with int8 weights and one fp32 scale per output row (w ~= q * scale[n], symmetric,
+//                round to nearest, scale = max|w_row| / 127). One load brings 16 weights; each is widened
+//                to float and the sum is multiplied by the row's scale once, after the dot product (the
+//                scale is constant along the row, so it factors out of sum_k x[k] q[n,k]).
+//                Widening without a conversion instruction: int -> float (I2F) runs at a quarter of the
+//                FMA rate on recent GPUs, and an int8 weight needs one per weight. Instead, put the byte
+//                (q ^ 0x80 = q + 128, in 0..255) into the low mantissa bits of 2^23 with one byte permute
+//                (__byte_perm): the float 0x4B0000hh is exactly 8388608 + q + 128, and one FADD of
+//                -8388736 leaves q, exactly (every integer below 2^24 is a float). Per weight: a byte
+//                permute (integer pipe) and an FADD (FMA pipe) instead of a shift and an I2F (a quarter-
+//                rate pipe on Hopper).
+//                Why one scale per row and not per group of 64-128 weights: at 8 bits the rounding error of
+//                a weight is at most max|w_row| / 254, and GPT-2's rows have no outliers large enough for a
+//                row's maximum to swamp the rest; per-group scales pay off at 4 bits, where the step is 16x
+//                coarser. The lesson's perplexity table measures what per-row costs.
+//   dequant_bf16_v1, dequant_int8_v1
+//                the prefill path: widen a whole matrix to fp32 once, then cuBLAS multiplies (ops.matmul_lowp).
+//
+// Both GEMVs are one template, gemv_lowp<WT, EPI, LN>, over the weight format WT; unpack4<WT> is the only
+// place the formats differ. Weights travel as uint4 (16 bytes), whatever they hold, so K must be a multiple
+// of 8 (bf16) or 16 (int8) for every row to start 16-byte aligned.
+//
+// Programmatic dependent launch (common/include/pdl.cuh): each GEMV issues its first weight loads, which no
+// kernel writes, then waits for the kernel before it (pdl_wait) before it reads x or writes anything, and lets
+// the next kernel start (pdl_launch_dependents). Launched that way (ops.programmatic, sm_90), the next GEMV's
+// first DRAM round trip overlaps this one's reduction and drain; launched plainly, both calls cost nothing.
+//
+// Compile-time knobs (ops.py passes them; the defaults are its values): MAXB (batch rows per launch), ROWS
+// (output rows per block), UNROLL (16-byte weight loads per row a lane has in flight), MAXWARPS (largest
+// block, in warps: its __launch_bounds__).
+#include "course.cuh"
+#include "pdl.cuh"
+#include "lowp.cuh"         // word, bf16x4_to_float4, i8x4_to_float4: the widening
+
+#ifndef MAXB
+#define MAXB 8
+#endif
+#ifndef ROWS
+#define ROWS 4
+#endif
+#ifndef UNROLL
+#define UNROLL 4
+#endif
+#ifndef MAXWARPS
+#define MAXWARPS 8
+#endif
+
+// The same epilogues as gpt2.cu (the two files compile separately, so the enum is written again).
+enum { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_GELU = 2, EPI_QKV = 3, EPI_RESID = 4 };
+enum { W_BF16 = 1, W_I8 = 2 };
+
+// Weights per 16-byte load.
+template <int WT> struct WeightFormat { static constexpr int PER_LOAD = WT == W_BF16 ? 8 : 16; };
+
+// Weights 4j .. 4j+3 of a 16-byte load, widened to float (matching the float4 number j of x it multiplies).
+template <int WT>
+__device__ __forceinline__ float4 unpack4(const uint4& u, int j) {
+    if constexpr (WT == W_BF16) {
+        // little-endian: the lower 16 bits of a word hold the earlier weight
+        return bf16x4_to_float4(word(u, 2 * j), word(u, 2 * j + 1));
+    } else {
+        return i8x4_to_float4(word(u, j));
+    }
+}
+
+// What happens to the sum s of output n of batch row b: gpt2.cu's gemv_store, unchanged.
+template <int EPI>
+__device__ __forceinline__ void gemv_store(float s, int b, int n, int N, const float* bias, float* y,
+                                           float* k_cache, float* v_cache, const int* pos, int H, int L) {
+    if (EPI != EPI_NONE) s += bias[n];
+    if (EPI == EPI_BIAS_GELU) s = gelu_tanh(s);
+    if (EPI == EPI_QKV) {
+        const int C = N / 3, D = C / H;
+        const int part = n / C, c = n - part * C, h = c / D, d = c - h * D;
+        if (part == 0) {
+            y[(long long)b * C + c] = s;
+        } else {
+            float* cache = part == 1 ? k_cache : v_cache;
+            cache[(((long long)b * H + h) * L + pos[b]) * D + d] = s;
+        }
+    } else if (EPI == EPI_RESID) {
+        y[(long long)b * N + n] += s;
+    } else {
+        y[(long long)b * N + n] = s;
+    }
+}
+
+// v5_load with 16-byte weight vectors: thread t owns vectors t, t + NT, ... of a chunk of NT*UNROLL.
+__device__ __forceinline__ void lowp_load(uint4 (&w)[ROWS][UNROLL], const uint4* __restrict__ Wv, int n0, int N,
+                                          int KV, int base) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const uint4* row = Wv + (long long)(n0 + r < N ? n0 + r : N - 1) * KV;   // past N: a valid row, dropped
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = base + threadIdx.x + u * blockDim.x;
+            w[r][u] = k < KV ? __ldcs(row + k) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+// gemv_v5's body over weight format WT. scale: (N,) row scales (W_I8), else unused.
+template <int WT, int EPI, bool LN>
+__device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const void* __restrict__ W,
+                                          const float* __restrict__ scale, const float* __restrict__ bias,
+                                          float* __restrict__ y, int B, int N, int K, const float* __restrict__ ln_w,
+                                          const float* __restrict__ ln_b, float eps, float* __restrict__ k_cache,
+                                          float* __restrict__ v_cache, const int* __restrict__ pos, int H, int L) {
+    constexpr int G = WeightFormat<WT>::PER_LOAD / 4;        // float4s of x per weight load
+    extern __shared__ float4 xs4[];                           // LN only: the normalised rows, B x K/4
+    __shared__ float red[2][MAXWARPS][ROWS][MAXB];            // two buffers: one barrier per tile
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const int K4 = K / 4, KV = K / WeightFormat<WT>::PER_LOAD, chunk = blockDim.x * UNROLL;
+    const int ntiles = (N + ROWS - 1) / ROWS;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const uint4* Wv = reinterpret_cast<const uint4*>(W);
+    int tile = blockIdx.x;
+    uint4 w[ROWS][UNROLL];
+    if (tile < ntiles) lowp_load(w, Wv, tile * ROWS, N, KV, 0);
+    pdl_wait();                   // every thread, even one without a tile: x and y are the last kernel's
+    pdl_launch_dependents();      // after the wait: at most one kernel runs ahead of the one finishing
+    if (LN) {                                                 // as in v5, while the weight loads fly
+        const float4* g4 = reinterpret_cast<const float4*>(ln_w);
+        const float4* b4 = reinterpret_cast<const float4*>(ln_b);
+        for (int b = warp; b < B; b += nwarps) {
+            float4* sr = xs4 + (long long)b * K4;
+            float sum = 0.0f;
+            for (int k = lane; k < K4; k += 32) {
+                const float4 v = x4[(long long)b * K4 + k];
+                sr[k] = v;
+                sum += (v.x + v.y) + (v.z + v.w);
+            }
+            const float mean = warp_sum(sum) / K;
+            float ss = 0.0f;
+            for (int k = lane; k < K4; k += 32) {
+                const float4 v = sr[k];
+                const float a = v.x - mean, c = v.y - mean, d = v.z - mean, e = v.w - mean;
+                ss += (a * a + c * c) + (d * d + e * e);
+            }
+            const float rstd = rsqrtf(warp_sum(ss) / K + eps);
+            for (int k = lane; k < K4; k += 32) {
+                const float4 v = sr[k], g = __ldg(g4 + k), o = __ldg(b4 + k);
+                sr[k] = make_float4((v.x - mean) * rstd * g.x + o.x, (v.y - mean) * rstd * g.y + o.y,
+                                    (v.z - mean) * rstd * g.z + o.z, (v.w - mean) * rstd * g.w + o.w);
+            }
+        }
+        __syncthreads();
+    }
+    for (int it = 0; tile < ntiles; tile += gridDim.x, ++it) {
+        const int n0 = tile * ROWS;
+        float acc[ROWS][MAXB];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int b = 0; b < MAXB; ++b) acc[r][b] = 0.0f;
+        for (int base = 0; base < KV; base += chunk) {
+            if (base > 0) lowp_load(w, Wv, n0, N, KV, base);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int k = base + threadIdx.x + u * blockDim.x;
+                if (k >= KV) break;
+#pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    float4 wf[ROWS];                          // widened once, used for every batch row
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) wf[r] = unpack4<WT>(w[r][u], j);
+                    const long long kx = (long long)k * G + j;
+#pragma unroll
+                    for (int b = 0; b < MAXB; ++b) {
+                        if (b < B) {
+                            const float4 xv = LN ? xs4[b * K4 + kx] : __ldg(x4 + (long long)b * K4 + kx);
+#pragma unroll
+                            for (int r = 0; r < ROWS; ++r) acc[r][b] += dot4(wf[r], xv);
+                        }
+                    }
+                }
+            }
+        }
+        if (tile + (int)gridDim.x < ntiles) lowp_load(w, Wv, (tile + gridDim.x) * ROWS, N, KV, 0);   // prefetch
+        float (*rd)[ROWS][MAXB] = red[it & 1];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int b = 0; b < MAXB; ++b)
+                if (b < B) {
+                    const float s = warp_sum(acc[r][b]);
+                    if (lane == 0) rd[warp][r][b] = s;
+                }
+        __syncthreads();
+        for (int t = threadIdx.x; t < ROWS * MAXB; t += blockDim.x) {   // a loop: a block may be one warp
+            const int r = t / MAXB, b = t % MAXB, n = n0 + r;               // and ROWS * MAXB more than 32
+            if (b < B && n < N) {
+                float s = 0.0f;
+                for (int v = 0; v < nwarps; ++v) s += rd[v][r][b];
+                if (WT == W_I8) s *= scale[n];                // the row's scale, once per output
+                gemv_store<EPI>(s, b, n, N, bias, y, k_cache, v_cache, pos, H, L);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------ GEMV
+// v6: W (N, K) bf16 bit patterns. Arguments as gpt2.cu's gemv_v5.
+template <int EPI, bool LN>
+__global__ void __launch_bounds__(32 * MAXWARPS)
+gemv_v6(const float* __restrict__ x, const unsigned short* __restrict__ W, const float* __restrict__ bias,
+        float* __restrict__ y, int B, int N, int K, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+        float eps, float* __restrict__ k_cache, float* __restrict__ v_cache, const int* __restrict__ pos,
+        int H, int L) {
+    gemv_lowp<W_BF16, EPI, LN>(x, W, nullptr, bias, y, B, N, K, ln_w, ln_b, eps, k_cache, v_cache, pos, H, L);
+}
+
+// v7: W (N, K) int8 with scale (N,): y[b, n] = scale[n] * sum_k x[b, k] W[n, k], then the epilogue.
+template <int EPI, bool LN>
+__global__ void __launch_bounds__(32 * MAXWARPS)
+gemv_v7(const float* __restrict__ x, const signed char* __restrict__ W, const float* __restrict__ scale,
+        const float* __restrict__ bias, float* __restrict__ y, int B, int N, int K, const float* __restrict__ ln_w,
+        const float* __restrict__ ln_b, float eps, float* __restrict__ k_cache, float* __restrict__ v_cache,
+        const int* __restrict__ pos, int H, int L) {
+    gemv_lowp<W_I8, EPI, LN>(x, W, scale, bias, y, B, N, K, ln_w, ln_b, eps, k_cache, v_cache, pos, H, L);
+}
+
+// ------------------------------------------------------------------------------------------ prefill
+// Widen W to fp32 (out, N x K) once, for cuBLAS. A grid-stride loop over 16-byte loads; nvec = N*K/8.
+extern "C" __global__ void dequant_bf16_v1(const uint4* __restrict__ W, float4* __restrict__ out, long long nvec) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 u = __ldcs(W + i);
+        out[2 * i] = unpack4<W_BF16>(u, 0);
+        out[2 * i + 1] = unpack4<W_BF16>(u, 1);
+    }
+}
+
+// nvec = N*K/16; K % 16 == 0, so a load never straddles two rows: row = i*16 / K.
+extern "C" __global__ void dequant_int8_v1(const uint4* __restrict__ W, const float* __restrict__ scale,
+                                           float4* __restrict__ out, long long nvec, int K) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 u = __ldcs(W + i);
+        const float s = __ldg(scale + i * 16 / K);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float4 f = unpack4<W_I8>(u, j);
+            out[4 * i + j] = make_float4(f.x * s, f.y * s, f.z * s, f.w * s);
+        }
+    }
+}

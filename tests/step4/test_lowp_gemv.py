@@ -1,0 +1,582 @@
+"""Fewer bytes per weight: step4_gpt2/quantize.py, gemv_lowp.cu (gemv_v6 bf16, gemv_v7 int8 + row scales, the
+prefill's widening) through ops.gemv / gemv_qkv / matmul_lowp, and weights.py's dtype="bf16".
+CPU part: the conversions against common/reference/quantize.py, argument rules, compiles, bf16 weight files.
+GPU part: every format x epilogue x LayerNorm prologue x batch on awkward shapes against float64 references
+(bf16: the reference uses the bf16-rounded weights, int8 the dequantized ones, so both are fp32-tight)."""
+import json
+
+import numpy as np
+import pytest
+
+from common import assert_close, poison, rand
+from common.reference import quantize as R
+from step4_gpt2 import quantize as Q
+from step4_gpt2 import weights as W
+
+gpu = pytest.mark.gpu
+
+
+def _weights(N, K, seed):
+    """Random weights with rows of very different magnitudes (per-row scales must follow each row)."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((N, K)) * np.exp(rng.uniform(-3, 1, (N, 1)))).astype(np.float32)
+
+
+# ============================================================================ CPU: conversions
+def test_to_bf16_rounds_to_nearest_even_like_the_reference():
+    w = np.concatenate([_weights(64, 96, 0).ravel(), np.float32([0.0, -0.0, 1.0, -2.5, 3e-30, 6e37])])
+    u = Q.to_bf16(w)
+    assert u.dtype == np.uint16 and u.shape == w.shape
+    np.testing.assert_array_equal(Q.from_bf16(u).astype(np.float64), R.bf16_round(w))
+    np.testing.assert_array_equal(R.bf16_bits_value(u), Q.from_bf16(u).astype(np.float64))
+    # exact ties: the low 16 bits are 0x8000, so the even neighbour wins
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32).view(np.float32)
+    assert Q.to_bf16(ties).tolist() == [0x3F80, 0x3F82, 0xBF80]
+    # at most half a unit in the last of the 8 significant bits
+    assert (np.abs(Q.from_bf16(u).astype(np.float64) - w) <= np.abs(w) * 2.0 ** -8).all()
+
+
+def test_from_bf16_is_exact_and_the_round_trip_is_the_identity():
+    u = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = ((u >> 7) & 0xFF) != 0xFF
+    np.testing.assert_array_equal(Q.to_bf16(Q.from_bf16(u[finite])), u[finite])
+    np.testing.assert_array_equal(R.bf16_bits_value(u[finite]), Q.from_bf16(u[finite]).astype(np.float64))
+
+
+@pytest.mark.parametrize("N,K", [(1, 16), (37, 64), (300, 770)])
+def test_quantize_int8_error_bound_and_the_reference(N, K):
+    w = _weights(N, K, N + K)
+    w[min(2, N - 1)] = 0.0                                  # a row of zeros: scale 0, q 0, no division by 0
+    q, scale = Q.quantize_int8(w)
+    assert q.dtype == np.int8 and q.shape == (N, K) and scale.dtype == np.float32 and scale.shape == (N,)
+    assert np.abs(q.astype(np.int32)).max() <= 127
+    nz = scale > 0
+    assert (np.abs(q[nz]).max(axis=1) == 127).all()          # each row's largest weight uses the full range
+    assert (q[~nz] == 0).all()
+    err = np.abs(Q.dequantize_int8(q, scale).astype(np.float64) - w)
+    assert (err <= scale[:, None].astype(np.float64) * (0.5 + 1e-5)).all()
+    q64, s64 = R.int8_quantize(w)
+    np.testing.assert_allclose(scale, s64, rtol=1e-7)
+    diff = np.abs(q.astype(np.int64) - q64)                  # float32 vs float64 division: a tie may differ by 1
+    assert diff.max() <= 1 and diff.mean() < 1e-3
+    np.testing.assert_allclose(Q.dequantize_int8(q, scale), R.weight(q, scale), rtol=1e-7)
+
+
+def test_quantize_int8_reads_bf16_bits_and_quantize_picks_the_kind():
+    w = _weights(9, 32, 3)
+    u = Q.to_bf16(w)
+    q, s = Q.quantize_int8(u)
+    q2, s2 = Q.quantize_int8(Q.from_bf16(u))
+    np.testing.assert_array_equal(q, q2)
+    np.testing.assert_array_equal(s, s2)
+    for kind, dtype in (("fp32", np.float32), ("bf16", np.uint16), ("int8", np.int8)):
+        lw = Q.quantize(w, kind)
+        assert lw.kind == kind and lw.w.dtype == dtype and lw.shape == (9, 32)
+        assert lw.nbytes == 9 * 32 * Q.BYTES_PER_WEIGHT[kind] + (9 * 4 if kind == "int8" else 0)
+        assert np.abs(lw.dequantize() - w).max() <= np.abs(w).max() / 100
+    assert Q.quantize(u, "bf16").w is u
+    np.testing.assert_array_equal(Q.quantize(u, "fp32").w, Q.from_bf16(u))
+
+
+def test_conversion_errors_name_the_argument():
+    w = _weights(4, 16, 1)
+    with pytest.raises(TypeError, match="w: expected dtype float32, got float64"):
+        Q.to_bf16(w.astype(np.float64))
+    with pytest.raises(TypeError, match="u: expected dtype uint16"):
+        Q.from_bf16(w)
+    with pytest.raises(ValueError, match="w: expected 2 dimensions"):
+        Q.quantize_int8(w.ravel())
+    with pytest.raises(TypeError, match="w: expected a NumPy or CuPy array, got list"):
+        Q.quantize_int8([[1.0]])
+    q, s = Q.quantize_int8(w)
+    with pytest.raises(ValueError, match=r"scale: expected one per row of q, shape \(4,\)"):
+        Q.dequantize_int8(q, s[:3])
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        Q.quantize(w, "int4")
+    with pytest.raises(ValueError, match="scale: an int8 weight needs"):
+        Q.LowpWeight(q)
+    with pytest.raises(ValueError, match="scale: only int8 weights have scales; w is bf16"):
+        Q.LowpWeight(Q.to_bf16(w), s)
+    with pytest.raises(ValueError, match=r"scale: expected shape \(4,\)"):
+        Q.LowpWeight(q, s[:2])
+    with pytest.raises(TypeError, match="w: expected dtype float32 or uint16 or int8, got float64"):
+        Q.LowpWeight(w.astype(np.float64))
+
+
+def test_reference_gemv_scales_once_per_row():
+    x, w, b = rand(3, 48, seed=1), _weights(5, 48, 2), rand(5, seed=3)
+    q, s = Q.quantize_int8(w)
+    want = (x.astype(np.float64) @ q.astype(np.float64).T) * s.astype(np.float64) + b
+    np.testing.assert_allclose(R.gemv(x, q, s, bias=b), want, rtol=1e-12)
+    r = rand(3, 5, seed=4)
+    np.testing.assert_allclose(R.gemv(x, q, s, bias=b, residual=r), r + want, rtol=1e-12)
+    with pytest.raises(ValueError, match="scale: int8 weights need"):
+        R.weight(q)
+
+
+# ============================================================================ CPU: the wrappers' rules
+def test_lowp_format_picks_the_kernel_and_names_bad_arguments():
+    from step4_gpt2.ops import lowp_format
+    assert lowp_format(np.uint16, 64, False) == ("bf16", 6)
+    assert lowp_format(np.int8, 64, True, 7) == ("int8", 7)
+    with pytest.raises(ValueError, match="scale: int8 weights need their"):
+        lowp_format(np.int8, 64, False)
+    with pytest.raises(ValueError, match=r"scale: only int8 weights take row scales; W is bf16"):
+        lowp_format(np.uint16, 64, True)
+    with pytest.raises(ValueError, match=r"W: bf16 weights are read 16 bytes \(8 weights\) at a time, so K must be "
+                                         r"a multiple of 8, got K=60"):
+        lowp_format(np.uint16, 60, False)
+    with pytest.raises(ValueError, match="K must be a multiple of 16, got K=40"):
+        lowp_format(np.int8, 40, True)
+    with pytest.raises(ValueError, match=r"version: int8 weights are read by version 7 \(gemv_v7\), got 6"):
+        lowp_format(np.int8, 64, True, 6)
+    with pytest.raises(ValueError, match=r"version: bf16 weights are read by version 6 \(gemv_v6\), got 5"):
+        lowp_format(np.uint16, 64, False, 5)
+    with pytest.raises(ValueError, match="version: expected one of"):
+        lowp_format(np.uint16, 64, False, 9)
+    with pytest.raises(TypeError, match=r"W: version 6 reads uint16 \(bf16 bit patterns\) weights, got dtype float32"):
+        lowp_format(np.float32, 64, False, 6)
+    with pytest.raises(TypeError, match="W: scale= is for uint16 .* or int8 weights, got dtype float32"):
+        lowp_format(np.float32, 64, True)
+
+
+def test_every_lowp_kernel_name_is_in_the_cu_file():
+    import re
+    from step4_gpt2 import ops
+    src = ops.LOWP_CU.read_text()
+    plain = set(re.findall(r'extern "C" __global__ void (\w+)\(', src))
+    assert {n for n in ops.LOWP_KERNEL_NAMES if "<" not in n} == plain == {"dequant_bf16_v1", "dequant_int8_v1"}
+    templates = set(re.findall(r"template <[^>]*>\s*__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(", src))
+    assert {n.split("<")[0] for n in ops.LOWP_KERNEL_NAMES if "<" in n} == templates == {"gemv_v6", "gemv_v7"}
+    assert ops.CU_TEMPLATES[ops.LOWP_CU] == tuple(n for n in ops.LOWP_KERNEL_NAMES if "<" in n)
+
+
+@pytest.mark.parametrize("arch", [70, 75, 80, 86, 89, 90])
+def test_gemv_lowp_cu_compiles_every_instantiation(arch):
+    """Every kernel the wrappers launch, for sm_70 .. sm_90, without warnings or spills: bf16 is widened with
+    integer shifts, so nothing here needs sm_80 (tests/test_compile.py compiles the file the same way)."""
+    pytest.importorskip("cupy")
+    from common import kernels as K
+    from step4_gpt2 import ops
+    if arch not in K.supported_archs():
+        pytest.skip(f"this NVRTC cannot target sm_{arch}")
+    r = K.compile_offline(ops.LOWP_CU, arch, ops.lowp_defines(), name_expressions=ops.CU_TEMPLATES[ops.LOWP_CU])
+    assert not r.warnings, r.warnings
+    assert set(ops.LOWP_KERNEL_NAMES) <= set(r.kernels), r.table()
+    spilled = [k.name for k in r.kernels.values() if k.spill_stores or k.spill_loads]
+    assert not spilled, r.table()
+
+
+# ============================================================================ CPU: int8 widened without I2F
+def byte_perm(x, y, s):
+    """CUDA's __byte_perm(x, y, s) on uint32 arrays (the default mode): result byte n is byte s[4n+2 : 4n] of
+    the eight bytes {y, x}, x's bytes numbered 0-3 from the lowest, y's 4-7."""
+    x, y = np.asarray(x, np.uint64), np.asarray(y, np.uint64)
+    pool = x | (y << np.uint64(32))
+    out = np.zeros(np.broadcast(x, y).shape, np.uint64)
+    for n in range(4):
+        sel = np.uint64((s >> (4 * n)) & 0x7)
+        out |= ((pool >> (np.uint64(8) * sel)) & np.uint64(0xFF)) << np.uint64(8 * n)
+    return out.astype(np.uint32)
+
+
+def _widening_constants():
+    """(XOR mask, magic word, subtracted float, the four selectors) as common/include/lowp.cuh's i8x4_to_float4
+    writes them (gemv_lowp.cu and the megakernel widen through it)."""
+    import re
+    from common.kernels import INCLUDE
+    from tests.step4.test_pdl import _body, _code
+    src = (INCLUDE / "lowp.cuh").read_text()
+    magic = int(re.search(r"#define I8_MAGIC (0x[0-9A-Fa-f]+)u", src).group(1), 16)
+    offset = float(re.search(r"#define I8_OFFSET ([0-9.]+)f", src).group(1))
+    body = _code(_body(src, "i8x4_to_float4"))
+    xor = int(re.search(r"a \^ (0x[0-9A-Fa-f]+)u", body).group(1), 16)
+    selectors = [int(v, 16) for v in re.findall(r"__byte_perm\(b, I8_MAGIC, (0x[0-9A-Fa-f]+)\)", body)]
+    return xor, magic, offset, selectors
+
+
+def test_int8_widening_by_a_byte_permute_is_exact_for_all_256_values():
+    """A NumPy model of i8x4_to_float4, with the constants read from common/include/lowp.cuh: each of the 256 int8 values,
+    in each of the 4 byte positions of a word whose other bytes are random, comes out as exactly that integer
+    in float32 (the FADD of float32 values, rounded to float32 once, as the GPU does)."""
+    xor, magic, offset, selectors = _widening_constants()
+    assert len(selectors) == 4 and xor == 0x80808080
+    q = np.arange(-128, 128, dtype=np.int8)
+    rng = np.random.default_rng(0)
+    for i, sel in enumerate(selectors):
+        words = rng.integers(0, 2**32, q.size, dtype=np.uint64).astype(np.uint32)
+        shift = np.uint32(8 * i)
+        words = (words & ~(np.uint32(0xFF) << shift)) | (q.view(np.uint8).astype(np.uint32) << shift)
+        bits = byte_perm(words ^ np.uint32(xor), np.uint32(magic), sel)
+        got = bits.view(np.float32) - np.float32(offset)           # float32 - float32: one rounding
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, q.astype(np.float32), err_msg=f"byte {i}")
+    assert np.float32(offset) == offset == 2**23 + 128             # exactly representable
+
+
+def test_byte_perm_model_matches_cudas_documented_examples():
+    """The model against __byte_perm's definition on hand-worked words (the model is what the proof rests on)."""
+    x, y = np.uint32(0x44332211), np.uint32(0x88776655)
+    assert byte_perm(x, y, 0x3210) == 0x44332211                  # x itself
+    assert byte_perm(x, y, 0x7654) == 0x88776655                  # y itself
+    assert byte_perm(x, y, 0x0123) == 0x11223344                  # x's bytes reversed
+    assert byte_perm(x, y, 0x7540) == 0x88665511                  # x byte 0, y bytes 0, 1 and 3
+    assert byte_perm(np.uint32(0x000000AB), np.uint32(0x4B000000), 0x7540) == 0x4B0000AB
+
+
+def test_the_int8_kernels_widen_without_conversion_instructions():
+    """In the PTX for sm_90: gemv_v7's and dequant_int8_v1's weights are widened by byte permutes (prmt), 16 per
+    16-byte load, with no int -> float conversion (cvt.rn.f32.s32) left but the LayerNorm prologue's one (K as
+    a float). What only a GPU can show is the time this saves (python -m step4_gpt2.lab.lowp_launch)."""
+    from tests.step4.test_pdl import _ptx_entries
+    from step4_gpt2 import ops
+    names = [n for n in ops.LOWP_KERNEL_NAMES if n.startswith("gemv_v7") or n == "dequant_int8_v1"]
+    entries = _ptx_entries(ops.LOWP_CU, 90, names)
+    loads = ops.V5_ROWS * ops.V5_UNROLL                              # the file's defaults: 16-byte loads per lane
+    for n in names:
+        ln = n.endswith("true>")
+        assert entries[n].count("cvt.rn.f32.s32") == (1 if ln else 0), n
+        assert entries[n].count("prmt.b32") == 16 * (1 if n == "dequant_int8_v1" else loads), n
+
+
+# ============================================================================ CPU: the launch-shape lab
+def test_the_lowp_launch_lab_sweeps_within_v5s_register_budget():
+    from step4_gpt2 import ops
+    from step4_gpt2.lab import lowp_launch as lab
+    from step4_gpt2.weights import GPTConfig
+    pairs = lab.choices()
+    assert (ops.V5_ROWS, ops.V5_UNROLL) in pairs and len(set(pairs)) == len(pairs)
+    assert all(r * u <= ops.V5_ROWS * ops.V5_UNROLL for r, u in pairs) and {u for _, u in pairs} == {1, 2, 4}
+    m = lab.matrices(GPTConfig.from_name("gpt2-xl"))
+    assert m["c_fc"][:2] == (6400, 1600) and m["mlp_proj"][:2] == (1600, 6400) and m["lm_head"][:2] == (50257, 1600)
+    assert all(K % 16 == 0 for _, K, _ in m.values())                # every shape takes int8's 16-byte loads
+
+
+@pytest.mark.parametrize("rows, unroll", [(4, 1), (8, 2)])
+def test_gemv_lowp_cu_compiles_for_the_labs_launch_shapes(rows, unroll):
+    """The lab's other (ROWS, UNROLL) modules compile for sm_90 without warnings (sm_70 .. sm_90 at the
+    defaults: test_gemv_lowp_cu_compiles_every_instantiation). Spills are allowed here -- ptxas holds (4, 1)'s
+    LayerNorm instantiations of gemv_v7 to 80 registers with a few spilled; the lab's times include that."""
+    pytest.importorskip("cupy")
+    from common import kernels as K
+    from step4_gpt2 import ops
+    if 90 not in K.supported_archs():
+        pytest.skip("this NVRTC cannot target sm_90")
+    r = K.compile_offline(ops.LOWP_CU, 90, ops.lowp_defines(rows, unroll),
+                          name_expressions=ops.CU_TEMPLATES[ops.LOWP_CU])
+    assert not r.warnings, r.warnings
+    assert set(ops.LOWP_KERNEL_NAMES) <= set(r.kernels), r.table()
+
+
+# ============================================================================ CPU: bf16 weight files
+def _write_safetensors(path, tensors: dict, bf16=()):
+    """A safetensors file written by hand (the format: an 8-byte header length, a JSON header, the data), so a
+    BF16 tensor needs neither torch nor ml_dtypes: the names in `bf16` are uint16 arrays of bf16 bits."""
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        dtype = "BF16" if name in bf16 else {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}[a.dtype]
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.astype(a.dtype.newbyteorder("<")).tobytes())
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
+TINY = W.GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=50, block_size=16)
+
+
+def test_load_bf16_keeps_a_bf16_files_bits(tmp_path):
+    params = W.random_weights(TINY, seed=5, notice=False)
+    bits = {n: Q.to_bf16(t) for n, t in params.items()}
+    f = tmp_path / "model.safetensors"
+    _write_safetensors(f, bits, bf16=set(bits))
+    cfg, kept = W.load_file(f, TINY, dtype="bf16")
+    for n, t in kept.items():
+        if W.is_matrix(n):
+            assert t.dtype == np.uint16, n
+            np.testing.assert_array_equal(t, bits[n])         # not a bit changed
+        else:
+            assert t.dtype == np.float32, n
+            np.testing.assert_array_equal(t, Q.from_bf16(bits[n]))
+    _, wide = W.load_file(f, TINY)                            # the default: everything float32, widened exactly
+    for n, t in wide.items():
+        assert t.dtype == np.float32
+        np.testing.assert_array_equal(t, Q.from_bf16(bits[n]))
+    assert {n for n in kept if W.is_matrix(n)} == {"wte.weight", "h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight",
+                                                   "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"}
+
+
+def test_load_bf16_rounds_an_fp32_file_and_names_a_bad_dtype(tmp_path):
+    params = W.random_weights(TINY, seed=6, notice=False)
+    W.save(params, TINY, tmp_path)
+    cfg, p = W.load_file(tmp_path, dtype="bf16")
+    for n, t in p.items():
+        np.testing.assert_array_equal(t, Q.to_bf16(params[n]) if W.is_matrix(n) else params[n])
+    _, p2, is_random = W.load(path=tmp_path, dtype="bf16")
+    assert not is_random and all(np.array_equal(p[n], p2[n]) for n in p)
+    with pytest.raises(ValueError, match=r"dtype: expected one of \('fp32', 'bf16'\), got 'int8'"):
+        W.load_file(tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        W.load(path=tmp_path, dtype="float16")
+    r = W.as_dtype(W.random_weights(TINY, seed=7, notice=False), "bf16")
+    assert r["wte.weight"].dtype == np.uint16 and r["wpe.weight"].dtype == np.float32
+
+
+def test_a_uint16_tensor_that_is_not_bf16_is_still_refused(tmp_path):
+    params = W.random_weights(TINY, seed=8, notice=False)
+    bad = dict(params, **{"ln_f.bias": np.zeros(32, np.uint16)})
+    with pytest.raises(W.WeightFileError, match="ln_f.bias has dtype uint16"):
+        W.validate(bad, TINY)
+    W.validate(bad, TINY, bf16=frozenset({"ln_f.bias"}))
+
+
+def test_torch_bf16_files_read_the_same_bits(tmp_path):
+    """A bf16 checkpoint as torch writes it (Hugging Face's bf16 files) reads back bit for bit."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    params = W.random_weights(TINY, seed=9, notice=False)
+    st.save_file({n: torch.from_numpy(t).to(torch.bfloat16) for n, t in params.items()},
+                 str(tmp_path / "model.safetensors"))
+    _, p = W.load_file(tmp_path / "model.safetensors", TINY, dtype="bf16")
+    want = torch.from_numpy(params["h.0.mlp.c_fc.weight"]).to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(p["h.0.mlp.c_fc.weight"], want.view(np.uint16))
+    np.testing.assert_array_equal(Q.to_bf16(params["h.0.mlp.c_fc.weight"]), want.view(np.uint16))
+
+
+# ============================================================================ GPU
+@pytest.fixture(scope="module")
+def cp():
+    from common.device import skip_reason
+    if skip_reason():
+        pytest.skip(f"no GPU: {skip_reason()}")
+    import cupy
+    return cupy
+
+
+SHAPES = {"bf16": [(37, 64), (769, 264), (9001, 40), (5, 8200)],      # K/8 = 8, 33, 5, 1025 (> one chunk)
+          "int8": [(37, 64), (769, 272), (9001, 48), (5, 16400)]}     # K/16 = 4, 17, 3, 1025
+
+
+def _stored(cp, w, kind):
+    lw = Q.quantize(w, kind)
+    return Q.LowpWeight(cp.asarray(lw.w), None if lw.scale is None else cp.asarray(lw.scale)), lw
+
+
+@gpu
+@pytest.mark.parametrize("B", [1, 3, 8, 11])
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_gemv_lowp_every_fusion(cp, kind, case, B):
+    """v6 / v7 on awkward shapes (N odd, K/vector not a multiple of 32, more tiles than blocks, more vectors
+    than one chunk), batches past MAXB, every epilogue, with and without the LayerNorm prologue."""
+    from step4_gpt2.ops import gemv
+    N, K = SHAPES[kind][case]
+    rng = np.random.default_rng(100 * case + B)
+    x0 = rng.uniform(-1, 1, (B, K)).astype(np.float32) * 3 + 0.5
+    b0, g0, o0 = (rng.uniform(-1, 1, n).astype(np.float32) for n in (N, K, K))
+    lw_gpu, lw = _stored(cp, _weights(N, K, case), kind)
+    x, b, g, o = (cp.asarray(a) for a in (x0, b0, g0, o0))
+    tol = 1e-6 if K <= 4100 else 3e-6
+    for ln in (None, (g, o)):
+        ref_ln = None if ln is None else (g0, o0)
+        t = tol if ln is None else 1e-5
+        for epi in ("none", "bias", "gelu", "residual"):
+            name = f"{kind} v{6 if kind == 'bf16' else 7} {epi} ln={ln is not None} B={B} N={N} K={K}"
+            if epi == "residual":
+                r0 = rand(B, N, seed=case)
+                y = cp.asarray(r0)
+                gemv(x, lw_gpu, b, out=y, residual=True, ln=ln)
+                want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=ref_ln, residual=r0)
+            else:
+                y = poison(cp.empty((B, N), cp.float32))
+                gemv(x, lw_gpu, None if epi == "none" else b, out=y, gelu=epi == "gelu", ln=ln)
+                want = R.gemv(x0, lw.w, lw.scale, bias=None if epi == "none" else b0, gelu=epi == "gelu", ln=ref_ln)
+            rtol = t
+            if epi == "gelu":   # GELU flattens large negative sums to ~0 and passes on the sums' error (|gelu'| <=
+                pre = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=ref_ln)     # 1.13): relative to the sums, not to ~0
+                rtol = t * max(1.0, float(np.linalg.norm(pre) / np.linalg.norm(want)))
+            assert_close(y, want, rtol=rtol, name=name)
+    if case == 0:                      # W and scale= as two arguments, and other rows per tile (8: a one-warp
+        for rows in (1, 2, 8):         # block stores ROWS * MAXB = 64 outputs in two passes)
+            y = poison(cp.empty((B, N), cp.float32))
+            gemv(x, lw_gpu.w, b, out=y, scale=lw_gpu.scale, rows=rows)
+            assert_close(y, R.gemv(x0, lw.w, lw.scale, bias=b0), rtol=tol, name=f"{kind} rows={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_gemv_lowp_every_launch_shape_the_lab_times(cp, kind):
+    """step4_gpt2/lab/lowp_launch.py's (ROWS, UNROLL) choices against the reference, LayerNorm prologue and GELU
+    epilogue, batch 1 and 11, on a shape whose rows take 1-2 warps and more tiles than one block."""
+    from step4_gpt2.lab.lowp_launch import choices
+    from step4_gpt2.ops import gemv
+    N, K = SHAPES[kind][1]
+    lw_gpu, lw = _stored(cp, _weights(N, K, 9), kind)
+    rng = np.random.default_rng(9)
+    b0, g0, o0 = (rng.uniform(-1, 1, n).astype(np.float32) for n in (N, K, K))
+    b, g, o = (cp.asarray(a) for a in (b0, g0, o0))
+    for B in (1, 11):
+        x0 = rng.uniform(-1, 1, (B, K)).astype(np.float32) * 3 + 0.5
+        want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=(g0, o0))
+        for rows, unroll in choices():
+            y = poison(cp.empty((B, N), cp.float32))
+            gemv(cp.asarray(x0), lw_gpu, b, out=y, ln=(g, o), rows=rows, unroll=unroll)
+            assert_close(y, want, rtol=1e-5, name=f"{kind} B={B} ROWS={rows} UNROLL={unroll}")
+
+
+@gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_gemv_lowp_small_cases(cp, kind):
+    """K of one 16-byte load, N = 1, B = 1: under compute-sanitizer too."""
+    from step4_gpt2.ops import gemv
+    for B, N, K in [(1, 1, 16), (2, 3, 32), (9, 5, 48)]:
+        x0, b0 = rand(B, K, seed=N), rand(N, seed=K)
+        lw_gpu, lw = _stored(cp, _weights(N, K, B), kind)
+        y = poison(cp.empty((B, N), cp.float32))
+        gemv(cp.asarray(x0), lw_gpu, cp.asarray(b0), out=y, gelu=True)
+        assert_close(y, R.gemv(x0, lw.w, lw.scale, bias=b0, gelu=True), rtol=1e-6, name=f"{kind} B={B} N={N} K={K}")
+
+
+@gpu
+@pytest.mark.parametrize("B", [1, 3, 8, 11])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_gemv_qkv_lowp(cp, kind, B):
+    """q and row pos[b] of each sequence's k/v cache; every other cache row stays as it was (NaN)."""
+    from step4_gpt2.ops import gemv_qkv
+    H, D, L = 3, 32, 9
+    C = H * D
+    rng = np.random.default_rng(B)
+    x0 = rng.uniform(-1, 1, (B, C)).astype(np.float32) * 2 + 0.3
+    b0, g0, o0 = (rng.uniform(-1, 1, n).astype(np.float32) for n in (3 * C, C, C))
+    p0 = rng.integers(0, L, B).astype(np.int32)
+    lw_gpu, lw = _stored(cp, _weights(3 * C, C, 7), kind)
+    x, b, g, o, p = (cp.asarray(a) for a in (x0, b0, g0, o0, p0))
+    for ln in (None, (g, o)):
+        want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=None if ln is None else (g0, o0))
+        q = poison(cp.empty((B, C), cp.float32))
+        kc, vc = poison(cp.empty((B, H, L, D), cp.float32)), poison(cp.empty((B, H, L, D), cp.float32))
+        gemv_qkv(x, lw_gpu, b, q, kc, vc, p, ln=ln)
+        tol = 1e-6 if ln is None else 1e-5
+        assert_close(q, want[:, :C], rtol=tol, name=f"{kind} q ln={ln is not None}")
+        for i in range(B):
+            assert_close(kc[i, :, int(p0[i])], want[i, C:2 * C].reshape(H, D), rtol=tol, name=f"k row {i}")
+            assert_close(vc[i, :, int(p0[i])], want[i, 2 * C:].reshape(H, D), rtol=tol, name=f"v row {i}")
+            for c in (kc, vc):
+                others = np.delete(c[i].get(), int(p0[i]), axis=1)
+                assert np.isnan(others).all(), f"{kind}: a cache row other than pos[{i}] was written"
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_dequantize_and_matmul_lowp(cp, kind):
+    """The prefill: W widened on the GPU exactly as on the host, then cuBLAS, for 1 .. 1000 rows."""
+    from step4_gpt2.ops import dequantize, matmul_lowp
+    N, K = 777, 272
+    lw_gpu, lw = _stored(cp, _weights(N, K, 11), kind)
+    wide = poison(cp.empty((N, K), cp.float32))
+    dequantize(lw_gpu, out=wide)
+    np.testing.assert_array_equal(wide.get(), lw.dequantize())           # bit for bit: one fp32 multiply each
+    for M in (1, 7, 1000):
+        x0 = rand(M, K, seed=M)
+        y = poison(cp.empty((M, N), cp.float32))
+        matmul_lowp(cp.asarray(x0), lw_gpu.w, lw_gpu.scale, out=y)
+        assert_close(y, R.gemv(x0, lw.w, lw.scale), rtol=1e-5, name=f"matmul_lowp {kind} M={M}")
+    w32 = cp.asarray(_weights(N, K, 12))
+    x0 = rand(5, K, seed=1)
+    assert_close(matmul_lowp(cp.asarray(x0), w32), R.gemv(x0, w32.get()), rtol=1e-5, name="fp32 W")
+
+
+@gpu
+def test_quantize_on_the_gpu_matches_the_host(cp):
+    w = _weights(300, 770, 13)
+    np.testing.assert_array_equal(Q.to_bf16(cp.asarray(w)).get(), Q.to_bf16(w))
+    np.testing.assert_array_equal(Q.from_bf16(cp.asarray(Q.to_bf16(w))).get(), Q.from_bf16(Q.to_bf16(w)))
+    qg, sg = Q.quantize_int8(cp.asarray(w))
+    q, s = Q.quantize_int8(w)
+    np.testing.assert_array_equal(sg.get(), s)
+    diff = np.abs(qg.get().astype(np.int32) - q)
+    assert diff.max() <= 1 and diff.mean() < 1e-4
+    np.testing.assert_array_equal(Q.dequantize_int8(qg, sg).get(), Q.dequantize_int8(qg.get(), sg.get()))
+
+
+@gpu
+def test_gemv_lowp_ln_prologue_splits_the_batch_to_fit_shared_memory(cp, monkeypatch):
+    """As for v5: 11 rows of K = 4112 floats (180 KB) on a GPU with 64 KB per block run as several launches."""
+    from step4_gpt2 import ops as M
+    real = M.device_info()
+    monkeypatch.setattr(M, "device_info", lambda: {**real, "shared_per_block_optin": 64 << 10})
+    calls = []
+    orig = M._v5_call
+    monkeypatch.setattr(M, "_v5_call", lambda fn, N, K, nb, ln, *a, **k: (calls.append(nb),
+                                                                          orig(fn, N, K, nb, ln, *a, **k)))
+    B, N, K = 11, 37, 4112
+    x0, b0, g0, o0 = rand(B, K, seed=1) * 3 + 0.5, rand(N, seed=2), rand(K, seed=3), rand(K, seed=4)
+    for kind in ("bf16", "int8"):
+        calls.clear()
+        lw_gpu, lw = _stored(cp, _weights(N, K, 5), kind)
+        y = poison(cp.empty((B, N), cp.float32))
+        M.gemv(cp.asarray(x0), lw_gpu, cp.asarray(b0), out=y, ln=(cp.asarray(g0), cp.asarray(o0)), gelu=True)
+        assert_close(y, R.gemv(x0, lw.w, lw.scale, bias=b0, gelu=True, ln=(g0, o0)), rtol=1e-5, name=kind)
+        assert len(calls) > 2 and sum(calls) == B
+
+
+@gpu
+def test_lowp_wrappers_name_bad_arguments(cp):
+    from step4_gpt2.ops import gemv, gemv_qkv, matmul_lowp
+    B, N, K = 2, 24, 64
+    x, b = cp.asarray(rand(B, K, seed=1)), cp.asarray(rand(N, seed=2))
+    w = _weights(N, K, 3)
+    q, s = (cp.asarray(a) for a in Q.quantize_int8(w))
+    u = cp.asarray(Q.to_bf16(w))
+    with pytest.raises(ValueError, match="scale: int8 weights need"):
+        gemv(x, q, b)
+    with pytest.raises(ValueError, match="scale: only int8 weights take row scales"):
+        gemv(x, u, b, scale=s)
+    with pytest.raises(TypeError, match="W: scale= is for"):
+        gemv(x, cp.asarray(w), b, scale=s)
+    with pytest.raises(ValueError, match=r"scale: expected shape \(24\)"):
+        gemv(x, q, b, scale=s[:5])
+    with pytest.raises(TypeError, match="scale: expected dtype float32"):
+        gemv(x, q, b, scale=s.astype(cp.float64))
+    with pytest.raises(ValueError, match="K must be a multiple of 16, got K=56"):
+        gemv(cp.asarray(rand(B, 56, seed=4)), cp.asarray(Q.quantize_int8(w[:, :56].copy())[0]), b,
+             scale=s)
+    with pytest.raises(ValueError, match=r"W: expected shape \(\*, 64\)"):
+        gemv(x, cp.asarray(Q.to_bf16(w[:, :32].copy())), b)
+    with pytest.raises(ValueError, match="version: bf16 weights are read by version 6"):
+        gemv(x, u, b, version=5)
+    with pytest.raises(TypeError, match="W: version 7 reads int8"):
+        gemv(x, cp.asarray(w), b, version=7)
+    with pytest.raises(ValueError, match="scale: W is a LowpWeight"):
+        gemv(x, Q.LowpWeight(q, s), b, scale=s)
+    with pytest.raises(ValueError, match="residual: out"):
+        gemv(x, u, out=cp.empty((B, N), cp.float32), residual=True)
+    with pytest.raises(ValueError, match="gelu=True needs a bias"):
+        gemv(x, u, gelu=True)
+    with pytest.raises(ValueError, match=r"W: expected \(3C, K\)"):
+        gemv_qkv(x, u[:23], b[:23], cp.empty((B, 8), cp.float32), cp.empty((B, 2, 4, 4), cp.float32),
+                 cp.empty((B, 2, 4, 4), cp.float32), cp.zeros(B, cp.int32))
+    with pytest.raises(ValueError, match="scale: int8 weights need"):
+        matmul_lowp(x, q)
+
+
+@gpu
+@pytest.mark.sanitize
+def test_int8_widening_on_the_gpu_is_exact_for_all_256_values(cp):
+    """The byte-permute widening on the device, bit for bit: dequant_int8_v1 gives every int8 value times a unit
+    scale as itself, and times a random scale as float32's one rounding of the product; gemv_v7 with one-hot x
+    rows (one launch per 8 of the 256 columns) returns q's columns exactly."""
+    from step4_gpt2.ops import dequantize, gemv
+    q = np.stack([np.random.default_rng(i).permutation(np.arange(-128, 128)).astype(np.int8) for i in range(7)])
+    dq = cp.asarray(q)
+    out = poison(cp.empty((7, 256), cp.float32))
+    np.testing.assert_array_equal(dequantize(dq, cp.ones(7, cp.float32), out=out).get(), q.astype(np.float32))
+    s = rand(7, seed=1, low=0.001, high=2.0)
+    out = poison(cp.empty((7, 256), cp.float32))
+    np.testing.assert_array_equal(dequantize(dq, cp.asarray(s), out=out).get(), q.astype(np.float32) * s[:, None])
+    y = poison(cp.empty((256, 7), cp.float32))
+    gemv(cp.eye(256, dtype=cp.float32), dq, out=y, scale=cp.ones(7, cp.float32))
+    np.testing.assert_array_equal(y.get(), q.T.astype(np.float32))

@@ -1,0 +1,371 @@
+"""Step 4b in bf16 (step4_gpt2/train/mixed.py, ops_bf16.py, mixed.cu, attention_bf16.cu): on the CPU the compiles
+for sm_70 ... sm_90 (the bf16 kernels trap below sm_80, and the wrappers refuse those GPUs with a message), the
+bf16 rounding the casts implement, activation_bytes (exact, what recomputation saves) and the named errors; on the
+GPU every kernel against a float64 reference on bf16-rounded inputs (awkward shapes, NaN-poisoned outputs), the
+bf16 GEMM, one step's loss and every gradient against torch autocast(bf16), recomputation against none, the
+training graph against the launches one by one, and a short run's validation loss against the fp32 run's."""
+import math
+
+import numpy as np
+import pytest
+
+from common import assert_close, max_rel_error, poison
+from common.reference import train_gpt2 as R
+from step4_gpt2.train import mixed as MX
+from step4_gpt2.train import ops_bf16 as bf
+from step4_gpt2.weights import GPTConfig, random_weights
+
+try:
+    import torch
+except ImportError:
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (pip install torch)")
+gpu = pytest.mark.gpu
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=37, block_size=40)
+
+
+def bf16_round(x) -> np.ndarray:
+    """float64/float32 -> the float32 value of its bf16 rounding (to nearest even, as mixed.cu's bf16_bits)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32) << 16
+    return r.astype(np.uint32).view(np.float32)
+
+
+def rand(shape, seed=0, scale=1.0):
+    x = np.random.default_rng(seed).standard_normal(shape) * scale
+    x[x == 0] = 0.5                                             # never a zero
+    return x.astype(np.float32)
+
+
+def batch(cfg, B, T, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+            rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
+
+
+# ============================================================================ CPU
+def test_bf16_rounding_is_to_nearest_even():
+    one, ulp = 1.0, 2.0 ** -7                                   # bf16's step just above 1
+    x = np.array([1, 1 + ulp / 2, 1 + 1.5 * ulp, 1 + ulp / 2 + 2 ** -20, -(1 + 1.5 * ulp), 3e38, 1e-39])
+    want = np.array([1, 1, 1 + 2 * ulp, 1 + ulp, -(1 + 2 * ulp)], np.float32)
+    got = bf16_round(x)
+    assert np.array_equal(got[:5], want)                        # ties to the even mantissa
+    assert np.isfinite(got[5]) and got[6] > 0                   # fp32's range: no overflow, no flush to zero
+    r = rand(100_000, scale=1e3)
+    assert np.max(np.abs(bf16_round(r) - r) / np.abs(r)) <= 2.0 ** -8
+    assert one == bf16_round(np.float32(one))
+
+
+@pytest.mark.parametrize("source", ["step4_gpt2/train/attention_bf16.cu", "step4_gpt2/train/mixed.cu"])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_kernels_compile_for_every_arch_and_trap_below_sm80(source, head_dim):
+    from common.kernels import ARCHS, compile_offline, supported_archs
+    want = {"attention_forward_bf16", "attention_delta_bf16", "attention_dkv_bf16", "attention_dq_bf16"} \
+        if "attention" in source else {"to_bf16", "bias_to_bf16", "gelu_bias_bf16"}
+    for arch in (a for a in ARCHS if a in supported_archs()):
+        report = compile_offline(source, arch, defines={"HEAD_DIM": head_dim})
+        assert not report.warnings, (arch, report.warnings)
+        assert set(report.kernels) == want, (arch, report.table())
+        if arch >= 80 and "attention" in source and head_dim == 64:
+            assert not any(k.spill_stores for k in report.kernels.values()), report.table()
+            assert report.kernels["attention_forward_bf16"].registers > 32      # the real kernel, not the trap
+        if arch < 80 and "attention" in source:                              # the trap: a handful of registers
+            assert report.kernels["attention_dkv_bf16"].registers < 16, report.table()
+
+
+def test_below_sm80_the_wrappers_refuse_with_a_message(monkeypatch):
+    import common.device as dev
+    monkeypatch.setattr(dev, "device_info", lambda: {"sm": 75, "name": "Tesla T4"})
+    with pytest.raises(RuntimeError, match=r"bf16 mixed-precision training \(bf16 tensor cores\) needs "
+                                           r"compute capability 8\.0 or newer; this GPU \(Tesla T4\) is 7\.5"):
+        bf.require_bf16()
+    with pytest.raises(RuntimeError, match="needs compute capability 8.0"):
+        bf.attention_forward_bf16(None, 2)
+
+
+@pytest.mark.parametrize("cfg,B,T", [(TINY, 3, 17), (GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257,
+                                                              block_size=1024), 8, 1024)])
+def test_activation_bytes_is_what_the_buffers_hold_and_recompute_saves_12C_per_token_and_layer(cfg, B, T):
+    N, C, L = B * T, cfg.n_embd, cfg.n_layer
+    for recompute in (False, True):
+        table = MX._buffers(cfg, B, T, recompute)
+        want = sum(max(1, n) * math.prod(s) * np.dtype(d).itemsize for n, s, d in table.values())
+        assert MX.activation_bytes(cfg, B, T, recompute) == want
+    saved = MX.activation_bytes(cfg, B, T) - MX.activation_bytes(cfg, B, T, recompute=True)
+    assert saved == (L - 1) * 12 * N * C            # ln_1, ln_2 (2 C bytes each) and h (8 C): one shared copy left
+    from step4_gpt2.train.train import activation_bytes as fp32_bytes
+    assert MX.activation_bytes(cfg, B, T) < fp32_bytes(cfg, B, T)
+    assert MX.activation_bytes(cfg, B) == MX.activation_bytes(cfg, B, cfg.block_size)
+
+
+@pytest.mark.parametrize("B,T", [(0, 4), (2.5, 4), (True, 4), (2, 0)])
+def test_activation_bytes_names_bad_sizes(B, T):
+    with pytest.raises(ValueError, match="B, T: expected positive integers"):
+        MX.activation_bytes(TINY, B, T)
+
+
+def test_make_model_names_the_precision_and_recompute():
+    with pytest.raises(ValueError, match="precision"):
+        MX.make_model(TINY, precision="fp16")
+    with pytest.raises(ValueError, match="recompute: .*precision='bf16'"):
+        MX.make_model(TINY, precision="fp32", recompute=True)
+
+
+def test_wrappers_name_a_numpy_argument_before_any_gpu_work():
+    h = np.zeros((2, 2), np.uint16)
+    for call, name in ((lambda: bf.gemm_bf16(h, h), "a"), (lambda: bf.to_bf16(h.astype(np.float32)), "x"),
+                       (lambda: bf.bias_to_bf16(h.astype(np.float32), None), "x"),
+                       (lambda: bf.gelu_bias_bf16(h.astype(np.float32), None), "x")):
+        with pytest.raises(TypeError, match=f"^{name}: expected a cupy.ndarray on the GPU"):
+            call()
+
+
+def test_module_docstring_says_why_no_loss_scaling():
+    doc = MX.__doc__
+    assert "No loss scaling" in doc and "exponent" in doc
+
+
+# ============================================================================ GPU: kernels
+def cuda(x):
+    import cupy as cp
+    return cp.asarray(x)
+
+
+def as_bf16(x):
+    """float32 NumPy -> (CuPy uint16 bf16 bits, float64 NumPy of the rounded values: the reference's input)."""
+    from step2_attention.flash import to_bf16
+    bits = to_bf16(cuda(np.asarray(x, np.float32)))
+    return bits, bf16_round(x).astype(np.float64)
+
+
+def from_bf16(bits):
+    from step2_attention.flash import bf16_to_float32
+    return bf16_to_float32(bits).get()
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(1,), (7, 33), (300, 1001)])
+def test_casts_against_numpy(shape):
+    import cupy as cp
+    x = rand(shape, seed=1, scale=3.0)
+    out = poison(cp.empty(shape, cp.uint16))
+    bf.to_bf16(cuda(x), out=out)
+    assert np.array_equal(from_bf16(out), bf16_round(x))        # bit for bit: flash.to_bf16's rounding
+    nan = cuda(np.array([np.nan, -np.nan, np.inf, -np.inf], np.float32))
+    got = from_bf16(bf.to_bf16(nan))
+    assert np.isnan(got[:2]).all() and np.array_equal(got[2:], [np.inf, -np.inf])
+    if len(shape) == 2:
+        bias = rand(shape[1], seed=2)
+        out = poison(cp.empty(shape, cp.uint16))
+        bf.bias_to_bf16(cuda(x), cuda(bias), out=out)
+        assert np.array_equal(from_bf16(out), bf16_round(x + bias))
+        out = poison(cp.empty(shape, cp.uint16))
+        bf.gelu_bias_bf16(cuda(x), cuda(bias), out=out)
+        assert_close(from_bf16(out), R.gelu_bias_forward(x, bias)[1], rtol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (17, 33, 65), (256, 384, 1152), (1000, 1536, 384)])
+@pytest.mark.parametrize("layout", ["nn", "tn", "nt"])
+def test_gemm_bf16_fp32_accumulate(m, k, n, layout):
+    import cupy as cp
+    a32, b32 = rand((m, k), 3), rand((k, n), 4)
+    a, a64 = as_bf16(a32 if layout != "tn" else a32.T.copy())
+    b, b64 = as_bf16(b32 if layout != "nt" else b32.T.copy())
+    a, a64 = (a.T, a64.T) if layout == "tn" else (a, a64)
+    b, b64 = (b.T, b64.T) if layout == "nt" else (b, b64)
+    ref = a64 @ b64                                             # the exact product of the bf16 inputs
+    out = poison(cp.empty((m, n), cp.float32))
+    bf.gemm_bf16(a, b, out)
+    # bf16 products are exact in fp32; the sums are fp32, rounded toward zero inside the tensor cores (k / 16
+    # roundings in one direction): a few 1e-6 at k = 1536
+    assert_close(out, ref, rtol=2e-5)
+    bf.gemm_bf16(a, b, out, accumulate=True)
+    assert_close(out, 2 * ref, rtol=2e-5)
+    out16 = poison(cp.empty((m, n), cp.uint16))
+    bf.gemm_bf16(a, b, out16)
+    assert_close(from_bf16(out16), ref, rtol=1e-2)
+
+
+@gpu
+def test_gemm_bf16_names_its_arguments():
+    import cupy as cp
+    a = cp.zeros((4, 8), cp.uint16)
+    with pytest.raises(TypeError, match="a: expected dtype uint16, got float32"):
+        bf.gemm_bf16(cp.zeros((4, 8), cp.float32), a.T)
+    with pytest.raises(ValueError, match="b: expected 8 rows"):
+        bf.gemm_bf16(a, a)
+    with pytest.raises(ValueError, match="out"):
+        bf.gemm_bf16(a, a.T, cp.empty((4, 5), cp.float32))
+
+
+small = pytest.mark.sanitize
+ATT_SHAPES = [pytest.param(1, 1, 1, 64, marks=small), pytest.param(2, 3, 17, 64, marks=small),
+              pytest.param(1, 2, 64, 32, marks=small), (2, 2, 100, 64), (1, 1, 300, 32), (1, 2, 1024, 64)]
+
+
+def att_inputs(B, T, H, D, seed=0):
+    C = H * D
+    qkv, qkv64 = as_bf16(rand((B, T, 3 * C), seed))
+    dout, dout64 = as_bf16(rand((B, T, C), seed + 1))
+    return qkv, qkv64, dout, dout64
+
+
+@gpu
+@pytest.mark.parametrize("B,H,T,D", ATT_SHAPES)
+def test_attention_forward_bf16(B, H, T, D):
+    import cupy as cp
+    qkv, qkv64, _, _ = att_inputs(B, T, H, D)
+    out, lse = poison(cp.empty((B, T, H * D), cp.uint16)), poison(cp.empty((B, H, T), cp.float32))
+    bf.attention_forward_bf16(qkv, H, out=out, lse=lse)
+    ref, ref_lse = R.attention_forward(qkv64, None, H)
+    assert_close(from_bf16(out), ref, rtol=1e-2)                 # P and O rounded to bf16
+    assert_close(lse, ref_lse, rtol=1e-5)                        # the scores and their sums are fp32
+
+
+@gpu
+@pytest.mark.parametrize("B,H,T,D", ATT_SHAPES)
+def test_attention_backward_bf16(B, H, T, D):
+    import cupy as cp
+    qkv, qkv64, dout, dout64 = att_inputs(B, T, H, D, seed=5)
+    out, lse = bf.attention_forward_bf16(qkv, H)
+    dqkv = poison(cp.empty((B, T, 3 * H * D), cp.float32))
+    bf.attention_backward_bf16(dout, qkv, out, lse, H, dqkv=dqkv)
+    ref = R.attention_backward(dout64, qkv64, None, H)
+    C = H * D
+    for j, name in enumerate(("dq", "dk", "dv")):
+        assert_close(dqkv[..., j * C:(j + 1) * C], ref[..., j * C:(j + 1) * C], rtol=2e-2, name=name)
+
+
+@gpu
+def test_attention_bf16_names_its_arguments():
+    import cupy as cp
+    from tests.views import misaligned
+    qkv = cp.zeros((1, 4, 3 * 64), cp.uint16)
+    with pytest.raises(TypeError, match="qkv"):
+        bf.attention_forward_bf16(qkv.astype(cp.float32), 1)
+    with pytest.raises(ValueError, match="n_head: head_dim"):
+        bf.attention_forward_bf16(qkv, 4)
+    with pytest.raises(ValueError, match="qkv: expected an array starting on a 16-byte boundary"):
+        bf.attention_forward_bf16(misaligned(qkv), 1)
+    with pytest.raises(ValueError, match="out: expected an array starting on a 16-byte boundary"):
+        bf.attention_forward_bf16(qkv, 1, out=misaligned(cp.zeros((1, 4, 64), cp.uint16)))
+    out, lse = bf.attention_forward_bf16(qkv, 1)
+    with pytest.raises(ValueError, match="dout: expected an array starting on a 16-byte boundary"):
+        bf.attention_backward_bf16(misaligned(out), qkv, out, lse, 1)
+
+
+# ============================================================================ GPU: the model
+def _models(cfg, P, **kw):
+    from step4_gpt2.train.model import TrainGPT
+    return TrainGPT(cfg, P), MX.MixedGPT(cfg, P, **kw)
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("cfg,B,T", [(TINY, 3, 37), (GPTConfig(n_layer=2, n_head=6, n_embd=384, vocab_size=65,
+                                                              block_size=256), 4, 256)])
+def test_one_step_against_torch_autocast_bf16(cfg, B, T):
+    """Loss within bf16's tolerance of torch autocast(bf16) on the same weights and batch; every gradient tensor's
+    relative error printed (||ours - theirs|| / ||theirs||, and max |ours - theirs| / max |theirs|), the first
+    under 2e-2. Both sides round to bf16, at different places (torch's GELU runs on bf16 inputs, ours in fp32)."""
+    import cupy as cp
+    from step4_gpt2.train import torch_gpt as TT
+    P = random_weights(cfg, 3, notice=False)
+    idx, tgt = batch(cfg, B, T, seed=3)
+    m = MX.MixedGPT(cfg, P)
+    loss = float(m.loss_and_grads(cp.asarray(idx), cp.asarray(tgt)))
+    ours = {k: v.get() for k, v in m.grads.items()}
+    model = TT.build(cfg).load(P)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tl = model(torch.as_tensor(idx, device="cuda").long(), torch.as_tensor(tgt, device="cuda").long())
+    tl.backward()
+    theirs = model.grads()
+    assert abs(loss - tl.item()) <= 1e-2 * abs(tl.item()), (loss, tl.item())
+    errs = {k: np.linalg.norm(ours[k] - theirs[k]) / max(np.linalg.norm(theirs[k]), 1e-30) for k in ours}
+    print("\n".join(f"{k:28s} {e:.2e} (max {max_rel_error(ours[k], theirs[k]):.2e})" for k, e in errs.items()))
+    assert max(errs.values()) < 2e-2, max(errs.items(), key=lambda kv: kv[1])
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 37])
+def test_recompute_gives_the_same_loss_and_gradients(T):
+    import cupy as cp
+    P = random_weights(TINY, 4, notice=False)
+    idx, tgt = batch(TINY, 2, T, seed=4)
+    a, b = MX.MixedGPT(TINY, P), MX.MixedGPT(TINY, P, recompute=True)
+    la = float(a.loss_and_grads(cp.asarray(idx), cp.asarray(tgt)))
+    lb = float(b.loss_and_grads(cp.asarray(idx), cp.asarray(tgt)))
+    assert la == lb
+    for k in a.grads:                      # the same kernels on the same bits: equal (1e-6 leaves room for none)
+        assert max_rel_error(b.grads[k], a.grads[k].get()) <= 1e-6, k
+
+
+@gpu
+def test_graph_step_is_the_same_as_launches_one_by_one():
+    import cupy as cp
+    from step4_gpt2.train.train import Trainer, TrainConfig
+    P = random_weights(TINY, 5, notice=False)
+    runs = {}
+    for graph, recompute in ((False, False), (True, False), (True, True)):      # and recomputation in the graph
+        m = MX.MixedGPT(TINY, P, recompute=recompute)
+        tr = Trainer(m, TrainConfig(batch_size=2, warmup=1, max_steps=10), graph=graph)
+        out = []
+        for s in range(4):
+            x, y = batch(TINY, 2, 33, seed=10 + s)
+            tr.step(cp.asarray(x), cp.asarray(y))
+            out.append(float(tr.last_loss))
+        runs[graph, recompute] = (out, m.flat.get())
+    first = runs[False, False]
+    for key, (out, flat) in runs.items():
+        assert out == first[0], key
+        assert np.array_equal(flat, first[1]), key
+
+
+@gpu
+def test_short_run_validation_loss_within_003_of_fp32():
+    """150 steps at the shakespeare_char shape (batch 16): the bf16 run's validation loss within 0.03 of fp32's."""
+    from step4_gpt2.train.model import TrainGPT, shakespeare_char
+    from step4_gpt2.train.train import Data, Trainer, TrainConfig, init_params
+    try:
+        data = Data.shakespeare("char")
+    except ModuleNotFoundError as e:
+        pytest.skip(f"the Shakespeare corpus is not installed: {e}")
+    cfg = shakespeare_char(data.vocab_size)
+    P = init_params(cfg, 0)
+    tc = TrainConfig(batch_size=16, max_steps=150, warmup=15, eval_every=150, eval_batches=10)
+    val = {}
+    for name, m in (("fp32", TrainGPT(cfg, P)), ("bf16", MX.MixedGPT(cfg, P))):
+        h = Trainer(m, tc, graph=True).fit(data, 150, progress=False)
+        val[name] = h.val[-1]
+    print(val)
+    assert abs(val["bf16"] - val["fp32"]) <= 0.03, val
+    assert val["fp32"] < 3.0                                    # it learned something (ln 65 = 4.17)
+
+
+@gpu
+def test_mixed_model_checks_its_config():
+    with pytest.raises(ValueError, match="head_dim"):
+        MX.MixedGPT(GPTConfig(n_layer=1, n_head=3, n_embd=48, vocab_size=19, block_size=9))
+
+
+@gpu
+def test_a_checkpoint_resumes_in_bf16_bit_for_bit(tmp_path):
+    """Trainer.from_checkpoint(precision="bf16"): the fp32 master weights and AdamW state of a bf16 run, resumed,
+    give the same next step as the run that went on."""
+    import cupy as cp
+    from step4_gpt2.train.train import Trainer, TrainConfig
+    P = random_weights(TINY, 6, notice=False)
+    tc = TrainConfig(batch_size=2, warmup=1, max_steps=10)
+    batches = [batch(TINY, 2, 20, seed=20 + s) for s in range(3)]
+    tr = Trainer(MX.MixedGPT(TINY, P), tc)
+    for x, y in batches[:2]:
+        tr.step(cp.asarray(x), cp.asarray(y))
+    tr.save(tmp_path)
+    again = Trainer.from_checkpoint(tmp_path, precision="bf16", recompute=True)
+    assert isinstance(again.model, MX.MixedGPT) and again.model.recompute
+    for t in (tr, again):
+        t.step(cp.asarray(batches[2][0]), cp.asarray(batches[2][1]))
+    assert float(tr.last_loss) == float(again.last_loss)
+    assert np.array_equal(tr.model.flat.get(), again.model.flat.get())
