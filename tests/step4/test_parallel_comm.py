@@ -190,6 +190,18 @@ def test_comm_wait_is_bounded_and_aborts():
     comm._watchdog.stop()
 
 
+def test_a_wait_ends_soon_after_the_work_does():
+    """A step ends with comm.wait: the GPU idles from the end of the step's work until the poll that sees it, so the
+    poll's sleeps stay short however long the work ran (the data-parallel step's time counts that lag)."""
+    lags = []
+    for _ in range(5):
+        stream = _FakeStream(0.03)              # about a training step
+        assert C._poll_stream(stream, time.monotonic() + 5)
+        lags.append(time.monotonic() - stream.end)
+    assert C.POLL_MAX_S <= 5e-4
+    assert sorted(lags)[2] < C.POLL_MAX_S + 2e-3, lags    # + a sleep's overshoot on a busy CI machine
+
+
 class _GraphHolder:
     """A user of a communicator, as DataParallelTrainer is: it holds a graph and lets go in close()."""
 
