@@ -138,9 +138,8 @@ class _Collectives:
 
 def _poll_stream(stream, deadline: float, check=None) -> bool:
     """Poll a CUDA stream until its work is done (True) or the deadline passes (False), calling check() between
-    polls (NCCL's asynchronous error). Sleeps grow from 50 us to POLL_MAX_S: a training step ends with this wait,
-    and the GPU idles from the moment its work ends until the poll that sees it, so a longer pause would cost
-    every step up to that much (a few thousand polls a second cost a few percent of one CPU core)."""
+    polls (NCCL's asynchronous error). Sleeps grow from 50 us to POLL_MAX_S: a training step ends with this wait
+    and the GPU idles until the poll that sees its work done, so every step pays up to one pause."""
     pause = 5e-5
     while not stream.done:
         if check is not None:
