@@ -11,7 +11,7 @@
 //   GPT-2 XL (1.5B): 6224 / 3114 / 1562 MB.
 //   At batch B a weight serves B rows: 2B FLOPs per 4, 2 or 1 bytes. An H100 (about 60 TFLOP/s of fp32 FMA
 //   against about 3.35 TB/s) breaks even near 18 FLOPs per byte: B ~ 36 for fp32 weights, ~18 for bf16, ~9
-//   for int8 (fewer still, counting the instructions that widen each weight). Fewer bytes pay at small batch.
+//   for int8 (fewer still, counting the instructions that widen each weight). Below it, bytes set the floor.
 //
 // The versions continue gpt2.cu's gemv_v1..v5 (same (N, K) = (out, in) layout, same epilogues, same
 // LayerNorm prologue, same launch). They live in their own file because only the weight format changes:
@@ -33,9 +33,9 @@
 //                permute (integer pipe) and an FADD (FMA pipe) instead of a shift and an I2F (a quarter-
 //                rate pipe on Hopper).
 //                Why one scale per row and not per group of 64-128 weights: at 8 bits the rounding error of
-//                a weight is at most max|w_row| / 254, and GPT-2's rows have no outliers large enough for a
-//                row's maximum to swamp the rest; per-group scales pay off at 4 bits, where the step is 16x
-//                coarser. The lesson's perplexity table measures what per-row costs.
+//                a weight is at most max|w_row| / 254, small unless a row's maximum (an outlier) dwarfs the
+//                rest; per-group scales pay off at 4 bits, where the step is 16x coarser. The lesson's
+//                perplexity table measures what per-row costs on a trained model.
 //   dequant_bf16_v1, dequant_int8_v1
 //                the prefill path: widen a whole matrix to fp32 once, then cuBLAS multiplies (ops.matmul_lowp).
 //

@@ -203,8 +203,9 @@ class GPT:
 
     def reference(self) -> "GPT":
         """An fp32 GPT computing with exactly this model's weights, widened (bf16) or dequantized (int8), and
-        its fp32 wte for the embedding: the rounding of the weights is the only thing it leaves out, so a test
-        can compare this model's kernels with it, and a measurement can tell the two costs apart."""
+        its fp32 wte for the embedding: it leaves out the rounding of the weights, so a test can compare this
+        model's kernels with it, and a measurement can tell the two costs apart. Beside the order of the fp32
+        sums, int8 differs in where the row's scale is applied: here to each weight, in gemv_v7 to the sum."""
         import cupy as cp
         host = lambda a: cp.asnumpy(a)                                                     # noqa: E731
         p = {"wte.weight": host(self.wte), "wpe.weight": host(self.wpe),
