@@ -237,6 +237,7 @@ SECTIONS = {                     # section key -> heading; a subpackage's family
     "step4_gpt2:megakernel": "Step 4c: the decode megakernel",
     "step4_gpt2:torch_ops": "Step 4d: your kernels in PyTorch",
     "step4_gpt2:parallel": "Step 4e: training on several GPUs",
+    "step4_gpt2:precision": "Step 4f: fewer bytes per token (bf16, int8)",
 }
 
 # What limits each row, per section: (pattern, text), the first pattern that matches the start of a row's name
@@ -394,13 +395,43 @@ NOTES: dict[str, list[tuple[str, str]]] = {
         (r"decode megakernel", "Version 2 prefetches the next stage's weights while a block waits; what is left "
                                "is the chain of hops and L2 round trips (findings: the megakernel's floor)."),
         (r"decode transformers", "Anchor: `transformers` `generate`, host-bound; it moves between runs."),
+        (r"decode (fp32|bf16|int8) CUDA graph", "Anchor of its precision: the graph decode reading the weight "
+                                                "matrices in that precision (lesson 4f's GEMVs)."),
+        (r"decode (fp32|bf16|int8) megakernel", "Version 2 reading the weight matrices in that precision, widened "
+                                                "in registers as the GEMVs do; the fraction is of that "
+                                                "precision's own weight-bandwidth bound."),
+        (r"decode (bf16|int8) best rung", "The fastest rung of that precision against the fp32 CUDA graph, and its "
+                                          "share of its own bound."),
         (r"decode b=1 best|decode best", "The fastest rung against each anchor."),
         (r"megakernel v2 threads", "Threads per block and unroll depth of version 2."),
         (r"timeline|v\d+ ", "The in-kernel timeline: per stage, the time blocks wait for another block's "
                             "counter and the time they work."),
-        (r"hop", "The units of the chain: a hop between two blocks, a grid-wide barrier, an L2 round trip."),
+        (r"hop|L2 round trip", "The units of the chain: a hop between two blocks, a grid-wide barrier, an L2 round trip."),
         (r"floor", "The same kernel on a model whose layers are all layer 0, its weights kept in L2: the floor "
                    "of this design's chain (findings: the megakernel's floor)."),
+    ],
+    "step4_gpt2:precision": [
+        (r"decode HF", "Anchor: `transformers` `generate` in bf16 on the same shape and batch, eager, then with a "
+                       "static KV cache compiled by `torch.compile`."),
+        (r"decode \S+ b=\d+ vs HF", "The course's bf16 graph decode against `transformers` in bf16."),
+        (r"decode \S+ b=\d+ \(CUDA graph \+ PDL\) vs fp32", "Programmatic dependent launch in both rungs: this "
+                                                            "precision against fp32."),
+        (r"decode \S+ b=\d+ \(CUDA graph \+ PDL\)", "The same graph with programmatic dependent launch between "
+                                                     "its kernels (sm_90): a kernel issues its first weight loads "
+                                                     "while the one before drains. Anchor: the plain graph."),
+        (r"decode \S+ b=\d+ vs fp32", "This precision against the fp32 decode at the same batch."),
+        (r"decode \S+ b=\d+: bandwidth", "The share of this precision's own bound: its weight bytes per token at "
+                                         "copy bandwidth."),
+        (r"decode \S+ b=\d+ \(CUDA graph\)", "Greedy decode, each step one CUDA graph replay, the weight matrices "
+                                             "in this precision and widened to float in registers; the fraction "
+                                             "is of this precision's own weight-bandwidth bound. A step also "
+                                             "pays fixed costs (attention, LayerNorms, each kernel's ramp-up) "
+                                             "that fewer bytes do not shrink."),
+        (r"perplexity change", "Perplexity against the fp32 model's on the same held-out windows, in percent."),
+        (r"perplexity", "exp of the mean negative log-likelihood on held-out text, windows of the model's context, "
+                        "the sum in float64."),
+        (r"top-1 agreement", "Teacher-forced: the share of positions where the two precisions pick the same next "
+                             "token."),
     ],
     "step4_gpt2:torch_ops": [
         (r"torch GPT step, course ops, CUDA graph vs", "The course's ops in a step recorded as one CUDA graph, "
@@ -420,6 +451,9 @@ NOTES: dict[str, list[tuple[str, str]]] = {
                                  "communication."),
         (r"ZeRO-1 AdamW state", "AdamW's moments per GPU, measured: each rank keeps the state of its shard of the "
                                 "parameters only."),
+        (r"data parallel .*bucket", "The gradient bucket swept: smaller buckets start reducing earlier in the "
+                                       "backward (less left exposed at its end) but pay a collective's latency "
+                                       "more often; the best bucket's row is a fresh run at that size."),
         (r"data parallel|ZeRO-1", "Tokens/s on N GPUs against one GPU with the same per-GPU batch. The fraction is "
                                   "the part of the step not hidden behind compute, (t_N - t_1) / t_N: gradient "
                                   "buckets reduced on a second stream while the backward runs hide the rest. "
@@ -428,6 +462,8 @@ NOTES: dict[str, list[tuple[str, str]]] = {
                        "largest relative difference of the loss in parts per million. Each rank averages its rows, "
                        "NCCL sums the ranks' means in its algorithm's order (ring or tree) and divides by N; one GPU sums every "
                        "row inside its GEMMs: the two agree to float32 rounding."),
+        (r"tensor parallel all-reduces .*waiting", "The rest of the time in the all-reduces: the ranks' wait for "
+                                                   "the slower rank to arrive, which the napkin leaves out."),
         (r"tensor parallel all-reduces", "Four all-reduces per layer of a (B T, C) activation, timed with CUDA "
                                          "events, against the napkin prediction from the all-reduce fit: none "
                                          "of it hides behind compute."),
@@ -460,7 +496,7 @@ HEADLINES = [
 ]
 STEP_LABELS = {"step1_simple": "1", "step2_attention": "2", "step3_fused": "3", "step4_gpt2": "4",
                "step4_gpt2:train": "4b", "step4_gpt2:train_bf16": "4b", "step4_gpt2:megakernel": "4c",
-               "step4_gpt2:torch_ops": "4d", "step4_gpt2:parallel": "4e"}
+               "step4_gpt2:torch_ops": "4d", "step4_gpt2:parallel": "4e", "step4_gpt2:precision": "4f"}
 README_BEGIN, README_END = "<!-- results -->", "<!-- /results -->"
 MAX_PAGE_LINES = 300
 

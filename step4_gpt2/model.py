@@ -194,12 +194,10 @@ class GPT:
     def n_params(self) -> int:
         return self.config.n_params()
 
-    def weight_bytes_per_token(self, precision: str | None = None, lm_head: str | None = None) -> int:
-        """Bytes a decode step must read: every weight once, the matrices in `precision` (default: this model's,
-        with its LM head's precision); module-level weight_bytes_per_token."""
-        if precision is None:
-            precision, lm_head = self.precision, self.lm_head_precision
-        return weight_bytes_per_token(self.config, precision, lm_head)
+    def weight_bytes_per_token(self) -> int:
+        """Bytes a decode step of this model must read: every weight once, in its precisions (module-level
+        weight_bytes_per_token)."""
+        return weight_bytes_per_token(self.config, self.precision, self.lm_head_precision)
 
     def reference(self) -> "GPT":
         """An fp32 GPT computing with exactly this model's weights, widened (bf16) or dequantized (int8), and

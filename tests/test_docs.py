@@ -383,6 +383,10 @@ def _run_json() -> dict:
     for size in ("6L C384 B64/GPU T256", "12L C768 B4/GPU T1024"):
         add(s, "data parallel 1 GPU", size, 40.0, 4e5, "tok/s")
         for w in (2, 4):
+            if size.startswith("6L"):                    # the bucket sweep, at the first size
+                for mb in ("1 MB buckets", "4 MB buckets", "25 MB buckets", "best bucket 25 MB"):
+                    add(s, f"data parallel {w} GPUs, {mb}", size, 42.0, 7.6e5, "tok/s", "of the step exposed", 0.05,
+                        "1 GPU", 1.9)
             for v in ("data parallel", "ZeRO-1"):
                 add(s, f"{v} {w} GPUs", size, 42.0, 7.6e5, "tok/s", "of the step exposed", 0.05, "1 GPU", 1.9,
                     "ratio >= 1.9")
@@ -394,9 +398,45 @@ def _run_json() -> dict:
     for size, worlds in (("6L C384 B64 T256", (2,)), ("12L C768 B8 T1024", (2, 4))):
         add(s, "tensor parallel step 1 GPU", size, 40.0, 4e5, "tok/s")
         for w in worlds:
-            add(s, f"tensor parallel all-reduces {w} GPUs", size, 3.0, anchor="napkin prediction", ratio=0.9,
+            add(s, f"tensor parallel all-reduces {w} GPUs, transfer", size, 3.0, anchor="napkin prediction", ratio=0.9,
                 target="ratio >= 0.8 and ratio <= 1.33333")
+            add(s, f"tensor parallel all-reduces {w} GPUs, waiting", size, 1.0, ceiling="of the time in all-reduces",
+                fraction=0.25)
             add(s, f"tensor parallel step {w} GPUs", size, 30.0, 5e5, "tok/s", "in all-reduces", 0.1, "1 GPU", 1.3)
+    s = "step4_gpt2:precision"                # step4_gpt2/precision/benchmarks.py's names
+    for label in ("124M", "XL 1.5B"):
+        for b in (1, 8):
+            for p in ("fp32", "bf16", "int8"):
+                for how in ("CUDA graph", "CUDA graph + PDL"):
+                    add(s, f"decode {p} b={b} ({how})", f"{label}, 64 tok", 0.4, 2500.0, "tok/s",
+                        f"{p} weight-bw bound", 0.3, "" if how == "CUDA graph" else "CUDA graph", 1.05)
+                if p != "fp32":
+                    add(s, f"decode {p} b={b} (CUDA graph + PDL) vs fp32", label, 0.4, 2500.0, "tok/s",
+                        anchor=f"fp32 b={b} (CUDA graph + PDL)", ratio=0.9)
+            add(s, f"decode HF bf16 generate (no compile) b={b}", f"{label}, 64 tok", 7.0, 140.0, "tok/s")
+            add(s, f"decode bf16 b={b} vs HF bf16 (no compile)", label, 0.46, 2150.0, "tok/s",
+                anchor="HF bf16 no compile", ratio=15.0)
+        for p in ("bf16", "int8"):
+            add(s, f"decode {p} b=1 vs fp32", label, 0.46, 2150.0, "tok/s", anchor="fp32 b=1", ratio=0.9,
+                target="ratio >= 1.8")
+            add(s, f"decode {p} b=1: bandwidth", label, 0.46, 2150.0, "tok/s", f"{p} weight-bw bound", 0.2,
+                target="fraction >= 0.7")
+    for p in ("fp32", "bf16", "int8"):
+        add(s, f"perplexity {p} (4b char model)", "held-out plays", 900.0, 3.92, "ppl")
+        if p != "fp32":
+            add(s, f"perplexity change {p} vs fp32 (4b char model)", "held-out plays", 900.0, 0.002, "%")
+            add(s, f"top-1 agreement {p} vs fp32 (4b char model)", "held-out plays", 900.0, 99.5, "%")
+    s = "step4_gpt2:megakernel"
+    for p in ("fp32", "bf16", "int8"):
+        for v in ("CUDA graph", "megakernel v2", "megakernel v2, all steps in one launch"):
+            add(s, f"decode {p} {v}", "XL 1.5B, b=1, ctx 32", 2.0, 490.0, "tok/s", f"{p} weight-bw bound", 0.36,
+                "" if v == "CUDA graph" else f"{p} CUDA graph", 1.45)
+        if p != "fp32":
+            add(s, f"decode {p} best rung vs fp32", "XL 1.5B, b=1, ctx 32", 2.0, 490.0, "tok/s",
+                anchor="fp32 CUDA graph", ratio=1.5)
+            add(s, f"decode {p} best rung: bandwidth", "XL 1.5B, b=1, ctx 32", 2.0, 490.0, "tok/s",
+                f"{p} weight-bw bound", 0.36)
+    add(s, "L2 round trip (dependent loads)", "one load", 0.0008)
     device = {"name": "NVIDIA Test GPU 9000", "sm": 90, "multiprocessors": 132, "l2_bytes": 50 * 2 ** 20,
               "cupy_version": "14.2.0"}
     return {"device": device, "date": "2031-02-03", "copy_bandwidth_gbps": 3008.5, "rows": rows, "failed": []}

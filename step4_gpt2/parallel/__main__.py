@@ -33,6 +33,8 @@ PER_GPU_BATCH = {"shakespeare_char": 16, "gpt2": 4}        # the default batch: 
 
 
 def parser() -> argparse.ArgumentParser:
+    from step4_gpt2.parallel.comm import EXIT_HUNG
+    from step4_gpt2.parallel.data_parallel import BUCKET_MB
     p = argparse.ArgumentParser(prog="python -m step4_gpt2.parallel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=None, metavar="N",
@@ -49,11 +51,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", action="store_true",
                    help="tensor parallel (Megatron): time one forward + backward and its all-reduces instead")
     p.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per step and rank")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="size of a gradient bucket reduced at once")
+    p.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="size of a gradient bucket reduced at once")
     p.add_argument("--graph", action="store_true",
                    help="replay each step, collectives included, as one CUDA graph: one launch per step, the same "
                         "numbers as eager steps (a failed peer still ends every rank: the graph is released before "
-                        "NCCL's abort, and a rank whose abort does not return exits with status 3)")
+                        f"NCCL's abort, and a rank whose abort does not return exits with status {EXIT_HUNG})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="a rank that has not finished (or a collective that has not) after this long ends the run")

@@ -24,6 +24,7 @@ import gc
 from common import require_gpu
 from common.benchmarks import Row
 from step4_gpt2.parallel import measure, tensor_parallel as tp
+from step4_gpt2.parallel.data_parallel import BUCKET_MB     # the rows that do not sweep the bucket
 from step4_gpt2.weights import GPTConfig
 
 MAX_GPUS = 4
@@ -32,8 +33,7 @@ SPEEDUP = {2: 1.9, 4: 3.7}             # tokens/s on N GPUs over one GPU, same p
 ZERO1_SLACK = 1.01                     # ZeRO-1's AdamW state per GPU <= 1/N of one GPU's, padding aside
 LOSS_STEPS = 20
 LOSS_PPM = 10.0                        # largest relative loss difference, parts per million (1e-5)
-TP_WITHIN = 0.25                       # measured tensor-parallel all-reduce time within 25% of the prediction
-BUCKET_MB = 25.0                       # the gradient bucket of the rows that do not sweep it (the trainer's default)
+TP_WITHIN = 0.25                       # measured tensor-parallel all-reduce transfer within 25% of the prediction
 BUCKET_SWEEP = (1.0, 4.0, 25.0)        # MB: at the first size only, each world (short: one start of the ranks)
 COMMAND = "python -m common.benchmarks --only step4_gpt2:parallel"
 ALL_REDUCE_SIZES = measure.ALL_REDUCE_SIZES
@@ -138,7 +138,7 @@ def loss_rows(worlds, small: bool = False) -> list[Row]:
     model = "shakespeare_char"
     batch = (2 if small else PER_GPU_BATCH[model]) * max(worlds)     # divisible by every world measured
     opts = {"model": model, "batch": batch, "seq": 64 if small else None, "steps": LOSS_STEPS, "zero1": False,
-            "accumulate": 1, "bucket_mb": 25.0, "seed": 0, "timeout_s": TIMEOUT_S}
+            "accumulate": 1, "bucket_mb": BUCKET_MB, "seed": 0, "timeout_s": TIMEOUT_S}
     try:
         one = train_rank(0, 1, None, opts)
     except (ModuleNotFoundError, FileNotFoundError) as e:     # the plays are not installed here

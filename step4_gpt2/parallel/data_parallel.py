@@ -51,6 +51,8 @@ import numpy as np
 from common import expect_int
 from step4_gpt2.train.train import OPTIMIZER_FILE, STATE_FILE, CheckpointError, Trainer, TrainConfig, _StepGraph
 
+BUCKET_MB = 25.0        # gradients per bucket, in MB: the trainer's default (04e and the benchmark sweep it)
+
 SHARD_FILE = "optimizer.rank{rank:03d}-of-{world:03d}.safetensors"   # ZeRO-1: each rank's m and v
 DP_KEY = "data_parallel"                                              # its entry in trainer_state.json
 ALIGN = 64                # floats: bucket and slice boundaries fall on multiples of 256 bytes
@@ -229,7 +231,7 @@ class DataParallelTrainer(Trainer):
     a bounded wait, so a rank that dies or hangs ends every other rank's step with a CommError instead of a hang."""
 
     def __init__(self, model, config: TrainConfig | None = None, comm=None, zero1: bool = False,
-                 bucket_mb: float = 25, accumulate: int = 1, graph: bool = False):
+                 bucket_mb: float = BUCKET_MB, accumulate: int = 1, graph: bool = False):
         if comm is None:
             raise ValueError("comm: a communicator is needed (Comm, LocalComm, or a CPU one for tests)")
         config = config or TrainConfig()

@@ -15,6 +15,7 @@ import statistics
 from dataclasses import asdict
 
 from common import expect_int
+from step4_gpt2.parallel.data_parallel import BUCKET_MB
 from step4_gpt2.parallel.tensor_parallel import random_batch, rank_comm, spawn_ranks, time_cuda, times_cuda
 from step4_gpt2.weights import GPTConfig
 
@@ -44,7 +45,7 @@ def all_reduce_worker(rank, world, unique_id, sizes, repeat=20):
         comm.close()
 
 
-def data_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int, zero1: bool, buckets=(25.0,),
+def data_parallel_worker(rank, world, unique_id, config: dict, B: int, T: int, zero1: bool, buckets=(BUCKET_MB,),
                          repeat: int = 10):
     """[{tokens_s, step_s, optimizer_bytes} for each bucket size in MB] of DataParallelTrainer steps with B rows
     per GPU (a global batch of B * world rows), 4b's model at GPT-2's initialisation, each step one CUDA graph
@@ -89,7 +90,7 @@ def measure_all_reduce(world: int, sizes=ALL_REDUCE_SIZES, timeout_s: float = 30
                         for i in range(len(ranks[0]))]}
 
 
-def measure_data_parallel(cfg: GPTConfig, B: int, T: int, world: int, zero1: bool = False, bucket_mb: float = 25,
+def measure_data_parallel(cfg: GPTConfig, B: int, T: int, world: int, zero1: bool = False, bucket_mb: float = BUCKET_MB,
                           timeout_s: float = 300) -> dict:
     """{tokens_s, step_s, optimizer_bytes} of data parallelism (ZeRO-1 with zero1) on `world` GPUs, B rows per
     GPU, gradients reduced in buckets of bucket_mb: the slowest rank's step and tokens/s, rank 0's optimizer bytes."""

@@ -38,6 +38,7 @@ import numpy as np
 from common import expect_choice, expect_int, require_gpu
 from common.reference import train_gpt2 as R
 from common.reference.ops import f64
+from step4_gpt2.parallel.data_parallel import BUCKET_MB
 from step4_gpt2.weights import GPTConfig, expected_shapes
 
 COLUMN_SPLIT = ("attn.c_attn.weight", "attn.c_attn.bias", "mlp.c_fc.weight", "mlp.c_fc.bias")
@@ -439,7 +440,8 @@ def predict_comm_seconds(cfg: GPTConfig, B: int, T: int, world: int, bandwidth_g
     return ALL_REDUCES_PER_LAYER * cfg.n_layer * per
 
 
-def dp_comm_seconds(cfg: GPTConfig, world: int, bandwidth_gbs: float, latency_us: float, bucket_mb: float = 25) -> float:
+def dp_comm_seconds(cfg: GPTConfig, world: int, bandwidth_gbs: float, latency_us: float,
+                    bucket_mb: float = BUCKET_MB) -> float:
     """Data parallelism's communication per step: every gradient once (n_params floats), in buckets of bucket_mb
     (one latency each); ZeRO-1's reduce-scatter + all-gather move the same bytes. Much of it can hide behind the
     backward pass; tensor parallelism's cannot."""
