@@ -35,6 +35,7 @@ import numpy as np
 
 from common import allow_dynamic_smem, device_info, expect_choice, get_kernel, occupancy, require_gpu
 from step4_gpt2.generate import Decoder
+from step4_gpt2.model import Block
 from step4_gpt2.quantize import KIND_OF_DTYPE, PRECISIONS
 from step4_gpt2.weights import GPTConfig
 
@@ -56,14 +57,14 @@ HCAP = 48                # most h rows a block keeps in shared memory at once (t
 SYNC_FIXED = 8           # fixed counters before the per-head ones (megakernel.cuh: S_HEAD0)
 LW_COUNT = 18            # pointers per layer in the table (megakernel.cuh: LW_COUNT)
 WEIGHT_FORMATS = {"fp32": 0, "bf16": 1, "int8": 2}     # megakernel.cuh's W_F32, W_BF16, W_I8 (MK_WT, MK_WT_HEAD)
-MATRICES = ("c_attn", "c_proj", "c_fc", "mlp_proj")    # a block's matrices (their int8 scales: <name>_s)
+MATRICES = Block.MATRICES     # a block's matrices (their int8 scales: <name>_s)
 STAGES = ("QKV", "attention", "attn proj", "mlp", "LM head")
 PER_LAYER = len(STAGES) - 1          # stages per layer; the LM head ends a step
 TIMEOUT_S = 2.0
 AUTO_MAX_BATCH = 8       # supports(): the megakernel for greedy decoding up to this batch, where it fits
                          # (its benchmark: v2 beat the graph decode at batch 1 and 8, caches 32 and 991)
-AUTO_PRECISIONS = ("fp32",)   # supports(): the weight formats it picks the megakernel for (benchmarks.py's
-                              # precision rows compare bf16 and int8 with the graph decode)
+AUTO_PRECISIONS = ("fp32",)   # supports(): the weight formats it picks the megakernel for; bf16 and int8 are
+                              # measured (benchmarks.py's precision rows) but not picked automatically yet
 
 
 class MegakernelUnavailable(RuntimeError):

@@ -3,7 +3,7 @@
 // A bf16 GEMM reads bf16 operands; everything else of the step (LayerNorm, GELU, the loss, AdamW) computes in
 // fp32. These kernels are where the two meet, one idea more each:
 //   to_bf16         y = bf16(x): the weights' bf16 copy (one launch over the flat parameter buffer), and the
-//                   gradients a GEMM reads next. Round to nearest even, as flash.to_bf16 does; NaN stays NaN.
+//                   gradients a GEMM reads next. Round to nearest even (flash.to_bf16's bits); a NaN stays NaN.
 //   bias_to_bf16    y = bf16(x + bias[column]): the qkv GEMM's fp32 output with its bias, as the attention reads it.
 //   gelu_bias_bf16  y = bf16(gelu(x + bias[column])): the GELU in fp32, its output stored for the next GEMM
 //                   in half the bytes (and, with recomputation, made again in the backward from x).

@@ -49,8 +49,9 @@ def _mixed(name: str):
 
 
 def to_bf16(x, out=None):
-    """out (uint16, x's shape) = bf16(x), round to nearest even (flash.to_bf16's bits; NaN stays NaN). x
-    contiguous float32: the flat parameter buffer once per step, or a gradient a bf16 GEMM reads next."""
+    """out (uint16, x's shape) = bf16(x), round to nearest even (flash.to_bf16's bits for every number; a NaN
+    stays NaN, which flash.to_bf16 would round into another value). x contiguous float32: the flat parameter
+    buffer once per step, or a gradient a bf16 GEMM reads next."""
     x = expect_array(x, "x", dtype=np.float32)
     out = out_array(out, x.shape, np.uint16)
     if x.size:

@@ -1,8 +1,8 @@
 """Step 4b in bf16 (step4_gpt2/train/mixed.py, ops_bf16.py, mixed.cu, attention_bf16.cu): on the CPU the compiles
 for sm_70 ... sm_90 (the bf16 kernels trap below sm_80, and the wrappers refuse those GPUs with a message), the
-bf16 rounding the casts implement, activation_bytes (exact, what recomputation saves) and the named errors; on the
-GPU every kernel against a float64 reference on bf16-rounded inputs (awkward shapes, NaN-poisoned outputs), the
-bf16 GEMM, one step's loss and every gradient against torch autocast(bf16), recomputation against none, the
+reference bf16 rounding the GPU checks compare the casts with, activation_bytes (exact, what recomputation saves)
+and the named errors; on the GPU every kernel against a float64 reference on bf16-rounded inputs (awkward
+shapes, NaN-poisoned outputs), the bf16 GEMM, one step's loss and every gradient against torch autocast(bf16), recomputation against none, the
 training graph against the launches one by one, and a short run's validation loss against the fp32 run's."""
 import math
 
@@ -11,6 +11,7 @@ import pytest
 
 from common import assert_close, max_rel_error, poison
 from common.reference import train_gpt2 as R
+from common.reference.quantize import bf16_round       # from the definition: 8 significant bits, ties to even
 from step4_gpt2.train import mixed as MX
 from step4_gpt2.train import ops_bf16 as bf
 from step4_gpt2.weights import GPTConfig, random_weights
@@ -23,13 +24,6 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (
 gpu = pytest.mark.gpu
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=37, block_size=40)
-
-
-def bf16_round(x) -> np.ndarray:
-    """float64/float32 -> the float32 value of its bf16 rounding (to nearest even, as mixed.cu's bf16_bits)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32) << 16
-    return r.astype(np.uint32).view(np.float32)
 
 
 def rand(shape, seed=0, scale=1.0):
