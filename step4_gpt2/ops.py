@@ -50,6 +50,7 @@ from step4_gpt2.quantize import LowpWeight
 CU = Path(__file__).resolve().parent / "gpt2.cu"
 # Compile-time constants of gpt2.cu, passed as defines (the .cu's own values only serve offline compiles).
 MAXB = 8                # batch rows per GEMV launch: each weight load is used for up to MAXB rows
+X_SMEM_MAX_K = 8192     # v5/v6/v7 at batch 1: the MAXB=1 module, x in shared memory, for rows up to 32 KB
 ROWS = 2                # output rows per warp (gemv_v3) / per block (gemv_v4)
 V4_WARPS = 4            # gemv_v4: warps sharing ROWS rows, splitting K
 V5_ROWS = 4             # gemv_v5: rows per block (a tile)
@@ -92,15 +93,33 @@ def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
         fn(grid, block, args, shared_mem=shared_mem)
 
 
-def defines(rows: int = ROWS, unroll: int = V5_UNROLL) -> dict:
-    """gpt2.cu's defines; rows/unroll pick the module (v3/v4 use ROWS, v5 V5_ROWS)."""
-    return {"MAXB": MAXB, "ROWS": rows, "V4_WARPS": V4_WARPS, "V5_UNROLL": unroll, "V5_MAXWARPS": V5_MAXWARPS}
+def defines(rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict:
+    """gpt2.cu's defines; rows/unroll/maxb pick the module (v3/v4 use ROWS, v5 V5_ROWS; maxb: gemv_module)."""
+    return {"MAXB": maxb, "ROWS": rows, "V4_WARPS": V4_WARPS, "V5_UNROLL": unroll, "V5_MAXWARPS": V5_MAXWARPS,
+            "X_SMEM": int(x_smem(maxb))}
 
 
-def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL):
+def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB):
     """Kernel `name` of gpt2.cu compiled with these constants (common.get_kernel: cached). `name` is an
     extern "C" kernel or an instantiation of a templated one, e.g. "gemv_v5<EPI_BIAS_GELU, true>"."""
-    return get_kernel(CU, name, defines(rows, unroll), templates=CU_TEMPLATES[CU])
+    return get_kernel(CU, name, defines(rows, unroll, maxb), templates=CU_TEMPLATES[CU])
+
+
+def gemv_module(B: int, K: int) -> int:
+    """MAXB of the module a gemv_v5/v6/v7 call of B rows of K launches from: 1 at batch 1 (the decode of one
+    sequence), MAXB otherwise. Compiled for MAXB rows, acc[ROWS][MAXB] and the batch loop hold registers that
+    a batch of 1 never uses (sm_90, int8: 165-173 per lane, 98-128 at MAXB 1), so fewer blocks are resident;
+    the MAXB=1 module also copies x into shared memory (x_smem) when no LayerNorm prologue does, so the FMA
+    loop never waits on a global load of x. A row past X_SMEM_MAX_K floats keeps the MAXB module. Every GEMV
+    wrapper (gemv, gemv_qkv, v5 and the bf16/int8 v6/v7) picks its module here, once per call."""
+    return 1 if B == 1 and K <= X_SMEM_MAX_K else MAXB
+
+
+def x_smem(maxb: int) -> bool:
+    """Whether a v5/v6/v7 module stages x in shared memory without LN too (the X_SMEM define): at MAXB=1,
+    where it costs K floats per block; MAXB rows (8 x 6400 floats = 200 KB for GPT-2 XL's mlp_proj) would cut
+    the resident blocks instead."""
+    return maxb == 1
 
 
 def _index_vector(a, name: str, n: int):
@@ -168,13 +187,14 @@ def _v34_launch(version: int, N: int):
 
 
 def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL,
-               per_load: int = 4):
-    """(grid, block, shared bytes) of gemv_v5 kernel fn: the fewest warps (<= V5_MAXWARPS) whose lanes cover
-    a row with `unroll` 16-byte loads (of `per_load` weights) each; one block per `rows`-row tile, at most
-    V5_BLOCKS_PER_SM per SM and no more than can be resident (common.occupancy), after which blocks loop over
-    tiles. gemv_v6/v7 launch the same way, with 8 or 16 weights per load."""
+               per_load: int = 4, maxb: int = MAXB):
+    """(grid, block, shared bytes) of gemv_v5 kernel fn (from the module of this maxb): the fewest warps
+    (<= V5_MAXWARPS) whose lanes cover a row with `unroll` 16-byte loads (of `per_load` weights) each; one
+    block per `rows`-row tile, at most V5_BLOCKS_PER_SM per SM and no more than can be resident
+    (common.occupancy), after which blocks loop over tiles. gemv_v6/v7 launch the same way, with 8 or 16
+    weights per load. Shared memory: nb rows of x, where the kernel stages them (LN, or x_smem(maxb))."""
     warps = min(V5_MAXWARPS, max(1, -(-(K // per_load) // (32 * unroll))))
-    smem = nb * K * 4 if ln else 0
+    smem = nb * K * 4 if ln or x_smem(maxb) else 0
     blocks_per_sm = V5_BLOCKS_PER_SM
     if ln and nb > 2:      # every block re-reads and normalises all nb rows: amortise it over more tiles
         blocks_per_sm = min(blocks_per_sm, V5_LN_BLOCKS_PER_SM)
@@ -188,19 +208,21 @@ def _resident(fn, block: int, smem: int) -> int:
     return occupancy(fn, block, smem)["blocks_per_sm"]
 
 
-def _v5_rows_per_launch(fn, K: int, ln: bool) -> int:
-    """Batch rows per launch of gemv_v5 kernel fn: MAXB, or with the LayerNorm prologue (nb rows x K floats
-    in shared memory) as many as this GPU's per-block opt-in limit holds next to fn's static shared memory
-    (a T4's 64 KB: 3 rows of K=4100). GPT-2's decode (K=768, batch <= 8) always fits in one launch."""
-    if not ln:
-        return MAXB
+def _v5_rows_per_launch(fn, K: int, ln: bool, maxb: int = MAXB) -> int:
+    """Batch rows per launch of gemv_v5 kernel fn (from the module of this maxb): maxb, or with the LayerNorm
+    prologue (nb rows x K floats in shared memory) as many as this GPU's per-block opt-in limit holds next to
+    fn's static shared memory (a T4's 64 KB: 3 rows of K=4100). GPT-2's decode (K=768, batch <= 8) always fits
+    in one launch. The MAXB=1 module's one row is at most X_SMEM_MAX_K floats (gemv_module)."""
+    if not ln or maxb == 1:
+        return maxb
     room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes
-    return max(1, min(MAXB, room // (4 * K)))
+    return max(1, min(maxb, room // (4 * K)))
 
 
-def _v5_call(fn, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL, per_load=4):
-    grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll, per_load)
-    allow_dynamic_smem(fn, smem, f"ln: the LayerNorm prologue's {nb} row(s) x {K} floats in shared memory")
+def _v5_call(fn, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL, per_load=4, maxb=MAXB):
+    grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll, per_load, maxb)
+    what = "ln: the LayerNorm prologue's" if ln else "x: the staged"
+    allow_dynamic_smem(fn, smem, f"{what} {nb} row(s) x {K} floats in shared memory")
     _launch(fn, grid, block, args, smem)
 
 
@@ -251,13 +273,14 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
         if residual and bias is None:
             raise ValueError("bias: residual=True needs the projection bias")
         lw, lb, e = _ln_args(ln, K, eps)
-        fn = kernel(f"gemv_v5<{epi}, {'false' if ln is None else 'true'}>", rows, unroll)
-        step = _v5_rows_per_launch(fn, K, ln is not None)
+        maxb = gemv_module(B, K)
+        fn = kernel(f"gemv_v5<{epi}, {'false' if ln is None else 'true'}>", rows, unroll, maxb)
+        step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
         for b0 in range(0, B, step):
             nb = min(step, B - b0)
             _v5_call(fn, N, K, nb, ln is not None, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
                                                     np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL,
-                                                    np.int32(0), np.int32(0)), rows, unroll)
+                                                    np.int32(0), np.int32(0)), rows, unroll, maxb=maxb)
         return y
     if version in (1, 2):
         if gelu:
@@ -303,13 +326,15 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
     expect_choice(version, "version", (3, 4, 5))
     if version == 5:
         lw, lb, e = _ln_args(ln, K, eps)
-        fn = kernel(f"gemv_v5<EPI_QKV, {'false' if ln is None else 'true'}>", V5_ROWS)
-        step = _v5_rows_per_launch(fn, K, ln is not None)
+        maxb = gemv_module(B, K)
+        fn = kernel(f"gemv_v5<EPI_QKV, {'false' if ln is None else 'true'}>", V5_ROWS, maxb=maxb)
+        step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
         for b0 in range(0, B, step):
             nb = min(step, B - b0)
             _v5_call(fn, N, K, nb, ln is not None,
                      (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
-                      k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
+                      k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)),
+                     maxb=maxb)
         return q
     if ln is not None:
         raise ValueError(f"version: ln= needs version 5, got {version!r}")
@@ -323,14 +348,15 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
 
 
 # ----------------------------------------------------------------------------- fewer bytes per weight
-def lowp_defines(rows: int = V5_ROWS, unroll: int = V5_UNROLL) -> dict:
-    """gemv_lowp.cu's defines: v5's constants (rows per tile, 16-byte loads per row a lane has in flight)."""
-    return {"MAXB": MAXB, "ROWS": rows, "UNROLL": unroll, "MAXWARPS": V5_MAXWARPS}
+def lowp_defines(rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict:
+    """gemv_lowp.cu's defines: v5's constants (rows per tile, 16-byte loads per row a lane has in flight,
+    batch rows per launch: gemv_module)."""
+    return {"MAXB": maxb, "ROWS": rows, "UNROLL": unroll, "MAXWARPS": V5_MAXWARPS, "X_SMEM": int(x_smem(maxb))}
 
 
-def lowp_kernel(name: str, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
+def lowp_kernel(name: str, rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB):
     """Kernel `name` of gemv_lowp.cu, e.g. "gemv_v7<EPI_BIAS, true>" or "dequant_bf16_v1" (cached)."""
-    return get_kernel(LOWP_CU, name, lowp_defines(rows, unroll), templates=CU_TEMPLATES[LOWP_CU])
+    return get_kernel(LOWP_CU, name, lowp_defines(rows, unroll, maxb), templates=CU_TEMPLATES[LOWP_CU])
 
 
 def _dtype(W):
@@ -397,15 +423,16 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
         raise ValueError("residual: out += x @ W^T + bias needs a bias, no GELU, and out other than x")
     epi = "EPI_RESID" if residual else "EPI_BIAS_GELU" if gelu else "EPI_BIAS" if bias is not None else "EPI_NONE"
     lw, lb, e = _ln_args(ln, K, eps)
-    fn = lowp_kernel(f"gemv_v{version}<{epi}, {'false' if ln is None else 'true'}>", rows, unroll)
-    step = _v5_rows_per_launch(fn, K, ln is not None)
+    maxb = gemv_module(B, K)
+    fn = lowp_kernel(f"gemv_v{version}<{epi}, {'false' if ln is None else 'true'}>", rows, unroll, maxb)
+    step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
     head = (scale,) if kind == "int8" else ()            # gemv_v7 takes the scales after W
     for b0 in range(0, B, step):
         nb = min(step, B - b0)
         _v5_call(fn, N, K, nb, ln is not None,
                  (x[b0:b0 + nb], W, *head, bias if bias is not None else NULL, y[b0:b0 + nb], np.int32(nb),
                   np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL, np.int32(0), np.int32(0)),
-                 rows, unroll, LOWP_PER_LOAD[kind])
+                 rows, unroll, LOWP_PER_LOAD[kind], maxb)
     return y
 
 
@@ -422,15 +449,16 @@ def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps
     H, L, D = _check_caches(k_cache, v_cache, B, C)
     _index_vector(pos, "pos", B)
     lw, lb, e = _ln_args(ln, K, eps)
-    fn = lowp_kernel(f"gemv_v{version}<EPI_QKV, {'false' if ln is None else 'true'}>")
-    step = _v5_rows_per_launch(fn, K, ln is not None)
+    maxb = gemv_module(B, K)
+    fn = lowp_kernel(f"gemv_v{version}<EPI_QKV, {'false' if ln is None else 'true'}>", maxb=maxb)
+    step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
     head = (scale,) if kind == "int8" else ()
     for b0 in range(0, B, step):
         nb = min(step, B - b0)
         _v5_call(fn, N, K, nb, ln is not None,
                  (x[b0:b0 + nb], W, *head, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
                   k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)),
-                 per_load=LOWP_PER_LOAD[kind])
+                 per_load=LOWP_PER_LOAD[kind], maxb=maxb)
     return q
 
 
@@ -513,11 +541,11 @@ LOWP_KERNEL_NAMES = ("dequant_bf16_v1", "dequant_int8_v1",
                      *(f"gemv_v{v}<{e}, {ln}>" for v in GEMV_LOWP_VERSIONS
                        for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_RESID", "EPI_QKV")
                        for ln in ("false", "true")))
-CU_DEFINES = {CU: defines(ROWS, V5_UNROLL), LOWP_CU: lowp_defines()}
+CU_DEFINES = {CU: defines(ROWS, V5_UNROLL), LOWP_CU: lowp_defines()}   # MAXB 8 (tests also compile MAXB 1)
 CU_TEMPLATES = {CU: tuple(n for n in KERNEL_NAMES if "<" in n),
                 LOWP_CU: tuple(n for n in LOWP_KERNEL_NAMES if "<" in n)}
 
 __all__ = ["embedding", "bias_gelu", "kv_cache_fill", "gemv", "gemv_qkv", "argmax", "advance", "layernorm",
            "residual_layernorm", "flash_attention_qkv", "decode_attention", "decode_split_count", "kernel",
            "defines", "KERNEL_NAMES", "matmul_lowp", "dequantize", "lowp_format", "lowp_kernel", "lowp_defines",
-           "LOWP_KERNEL_NAMES", "GEMV_LOWP_VERSIONS", "programmatic"]
+           "LOWP_KERNEL_NAMES", "GEMV_LOWP_VERSIONS", "programmatic", "gemv_module"]

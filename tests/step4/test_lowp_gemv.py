@@ -4,6 +4,7 @@ CPU part: the conversions against common/reference/quantize.py, argument rules, 
 GPU part: every format x epilogue x LayerNorm prologue x batch on awkward shapes against float64 references
 (bf16: the reference uses the bf16-rounded weights, int8 the dequantized ones, so both are fp32-tight)."""
 import json
+import types
 
 import numpy as np
 import pytest
@@ -151,16 +152,19 @@ def test_every_lowp_kernel_name_is_in_the_cu_file():
     assert ops.CU_TEMPLATES[ops.LOWP_CU] == tuple(n for n in ops.LOWP_KERNEL_NAMES if "<" in n)
 
 
+@pytest.mark.parametrize("maxb", [8, 1])
 @pytest.mark.parametrize("arch", [70, 75, 80, 86, 89, 90])
-def test_gemv_lowp_cu_compiles_every_instantiation(arch):
+def test_gemv_lowp_cu_compiles_every_instantiation(arch, maxb):
     """Every kernel the wrappers launch, for sm_70 .. sm_90, without warnings or spills: bf16 is widened with
-    integer shifts, so nothing here needs sm_80 (tests/test_compile.py compiles the file the same way)."""
+    integer shifts, so nothing here needs sm_80 (tests/test_compile.py compiles the file the same way, with
+    MAXB 8). MAXB 1 is the batch-1 module (ops.gemv_module), x staged in shared memory."""
     pytest.importorskip("cupy")
     from common import kernels as K
     from step4_gpt2 import ops
     if arch not in K.supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{arch}")
-    r = K.compile_offline(ops.LOWP_CU, arch, ops.lowp_defines(), name_expressions=ops.CU_TEMPLATES[ops.LOWP_CU])
+    r = K.compile_offline(ops.LOWP_CU, arch, ops.lowp_defines(maxb=maxb),
+                          name_expressions=ops.CU_TEMPLATES[ops.LOWP_CU])
     assert not r.warnings, r.warnings
     assert set(ops.LOWP_KERNEL_NAMES) <= set(r.kernels), r.table()
     spilled = [k.name for k in r.kernels.values() if k.spill_stores or k.spill_loads]
@@ -237,6 +241,97 @@ def test_the_int8_kernels_widen_without_conversion_instructions():
         ln = n.endswith("true>")
         assert entries[n].count("cvt.rn.f32.s32") == (1 if ln else 0), n
         assert entries[n].count("prmt.b32") == 16 * (1 if n == "dequant_int8_v1" else loads), n
+
+
+# ============================================================================ CPU: the batch-1 module
+def test_the_batch_1_modules_read_x_from_shared_memory():
+    """In the PTX for sm_90, without the LayerNorm prologue: the MAXB=1 modules (gemv_v5/v6/v7) load x from
+    global memory once, in the copy to shared memory, and the FMA loop reads it there (one ld.shared per
+    float4 of x a lane multiplies per chunk: UNROLL x 16-byte loads / 4 weights); the MAXB=8 modules still read
+    it from global memory inside the loop (MAXB x as many loads). Whether this is faster is the GPU's to say."""
+    from tests.step4.test_pdl import _ptx_entries
+    from step4_gpt2 import ops
+    files = {ops.CU: ([n for n in ops.KERNEL_NAMES if n.startswith("gemv_v5")], ops.defines, 1),
+             ops.LOWP_CU: ([n for n in ops.LOWP_KERNEL_NAMES if n.startswith("gemv_v")], ops.lowp_defines, None)}
+    for path, (names, defs, per_float4) in files.items():
+        plain = [n for n in names if n.endswith("false>")]
+        for maxb in (1, ops.MAXB):
+            d = {**defs(ops.V5_ROWS, ops.V5_UNROLL, maxb)}
+            assert d["MAXB"] == maxb and d["X_SMEM"] == (maxb == 1)
+            entries = _ptx_entries(path, 90, plain, d)
+            for n in plain:
+                g = per_float4 or ops.LOWP_PER_LOAD["bf16" if n.startswith("gemv_v6") else "int8"] // 4
+                x_loads = ops.V5_UNROLL * g                     # float4s of x per chunk per lane and batch row
+                glob, shared = entries[n].count("ld.global.nc.v4.f32"), entries[n].count("ld.shared.v4.f32")
+                if maxb == 1:
+                    assert (glob, shared) == (1, x_loads), f"{path.name} {n} MAXB 1: {glob} global, {shared} shared"
+                else:
+                    assert (glob, shared) == (maxb * x_loads, 0), f"{path.name} {n} MAXB {maxb}: {glob}, {shared}"
+
+
+def test_gemv_module_and_the_shared_memory_a_launch_asks_for(monkeypatch):
+    """gemv_module: MAXB 1 at batch 1 (up to X_SMEM_MAX_K), else MAXB; _v5_launch asks for nb rows of x in
+    shared memory where the module stages them (LN, or MAXB 1), none otherwise."""
+    from step4_gpt2 import ops
+    assert ops.gemv_module(1, 1600) == ops.gemv_module(1, 6400) == 1
+    assert ops.gemv_module(2, 1600) == ops.gemv_module(8, 768) == ops.gemv_module(1, ops.X_SMEM_MAX_K + 16) == ops.MAXB
+    assert ops.x_smem(1) and not ops.x_smem(ops.MAXB)
+    monkeypatch.setattr(ops, "_resident", lambda fn, block, smem: 16)
+    monkeypatch.setattr(ops, "device_info", lambda: {"sm": 90, "sms": 132, "multiprocessors": 132})
+    monkeypatch.setattr(ops, "launch_grid", lambda n, per_block, per_sm=1: (-(-n // per_block),))
+    for ln in (False, True):
+        for maxb, nb, want in ((1, 1, 6400 * 4), (ops.MAXB, 1, 6400 * 4 if ln else 0),
+                               (ops.MAXB, 3, 3 * 6400 * 4 if ln else 0)):
+            _, block, smem = ops._v5_launch(None, 1600, 6400, nb, ln, per_load=16, maxb=maxb)
+            assert smem == want and block == (128,), (ln, maxb, nb, smem)
+
+
+class _Fake:
+    """Stands for a CuPy array where the wrappers only look at shape and dtype (their checks stubbed)."""
+    def __init__(self, shape, dtype=np.float32):
+        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+        self.data = type("D", (), {"ptr": id(self)})()
+
+    def __getitem__(self, idx):
+        return self
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_every_gemv_wrapper_launches_the_batch_1_module_at_batch_1(monkeypatch, kind):
+    """ops.gemv and ops.gemv_qkv, fp32 (v5), bf16 (v6) and int8 (v7), every fusion: the kernel comes from the
+    module gemv_module picks (MAXB 1 at batch 1, MAXB for more rows) and _v5_call is told the same maxb (its
+    shared memory). Run on the CPU, the arrays' checks and the launch stubbed."""
+    from step4_gpt2 import ops
+    asked, launched = [], []
+    monkeypatch.setattr(ops, "expect_array", lambda a, *args, **kw: a)
+    monkeypatch.setattr(ops, "out_array", lambda out, shape, **kw: out)
+    monkeypatch.setattr(ops, "_index_vector", lambda a, name, n: a)
+    monkeypatch.setattr(ops, "_check_caches", lambda k, v, B, C: k.shape[1:])
+    monkeypatch.setattr(ops, "device_info", lambda: {"sm": 90, "shared_per_block_optin": 227 << 10})
+
+    def kernel(name, rows=4, unroll=4, maxb=ops.MAXB):
+        asked.append(maxb)
+        return types.SimpleNamespace(name=name, shared_size_bytes=2048)
+    monkeypatch.setattr(ops, "kernel", kernel)
+    monkeypatch.setattr(ops, "lowp_kernel", kernel)
+    monkeypatch.setattr(ops, "_v5_call", lambda fn, N, K, nb, ln, args, rows=4, unroll=4, per_load=4, maxb=ops.MAXB:
+                        launched.append((nb, maxb)))
+    C, H, L = 64, 2, 4
+    wdt = {"fp32": np.float32, "bf16": np.uint16, "int8": np.int8}[kind]
+    scale = _Fake((3 * C,)) if kind == "int8" else None
+    for B in (1, 3, 11):
+        want = 1 if B == 1 else ops.MAXB
+        x, bias, g = _Fake((B, C)), _Fake((3 * C,)), _Fake((C,))
+        for ln in (None, (g, g)):
+            for fusion in ({}, {"gelu": True}, {"residual": True}):
+                asked.clear(), launched.clear()
+                ops.gemv(x, _Fake((3 * C, C), wdt), bias, out=_Fake((B, 3 * C)), ln=ln, scale=scale, **fusion)
+                assert asked == [want] and [m for _, m in launched] == [want] * len(launched), (B, ln, fusion)
+                assert sum(nb for nb, _ in launched) == B
+            asked.clear(), launched.clear()
+            ops.gemv_qkv(x, _Fake((3 * C, C), wdt), bias, _Fake((B, C)), _Fake((B, H, L, C // H)),
+                         _Fake((B, H, L, C // H)), _Fake((B,), np.int32), ln=ln, scale=scale)
+            assert asked == [want] and [m for _, m in launched] == [want] * len(launched), (B, ln, "qkv")
 
 
 # ============================================================================ CPU: the launch-shape lab
@@ -521,6 +616,54 @@ def test_gemv_lowp_ln_prologue_splits_the_batch_to_fit_shared_memory(cp, monkeyp
         M.gemv(cp.asarray(x0), lw_gpu, cp.asarray(b0), out=y, ln=(cp.asarray(g0), cp.asarray(o0)), gelu=True)
         assert_close(y, R.gemv(x0, lw.w, lw.scale, bias=b0, gelu=True, ln=(g0, o0)), rtol=1e-5, name=kind)
         assert len(calls) > 2 and sum(calls) == B
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_the_batch_1_module_gives_the_maxb_modules_bits(cp, kind, monkeypatch):
+    """At batch 1 ops launches the MAXB=1 module (x staged in shared memory, one accumulator per row): the same
+    products summed in the same order as the MAXB=8 module's, so the same bits, for every fusion and gemv_qkv
+    (v5 fp32, v6 bf16, v7 int8; XL's K = 1600 and 6400, several tiles per block)."""
+    from step4_gpt2 import ops
+    C, H, L = 1600, 25, 3
+    rng = np.random.default_rng(37)
+    g, o = (cp.asarray(rng.uniform(-1, 1, C).astype(np.float32)) for _ in range(2))
+    pos = cp.asarray(np.int32([1]))
+
+    def weight(N, K, seed):
+        w = _weights(N, K, seed)
+        return cp.asarray(w) if kind == "fp32" else _stored(cp, w, kind)[0]
+
+    cases = []
+    for N, K in ((9001, C), (C, 4 * C)):
+        W = weight(N, K, N)
+        x = cp.asarray(rng.uniform(-1, 1, (1, K)).astype(np.float32) * 3 + 0.5)
+        b, r0 = (cp.asarray(rng.uniform(-1, 1, (1, N)).astype(np.float32)) for _ in range(2))
+        for ln in ((None, (g, o)) if K == C else (None,)):
+            for epi in ("none", "bias", "gelu", "residual"):
+                cases.append((f"N={N} K={K} {epi} ln={ln is not None}", W, x, b[0], r0, ln, epi))
+    Wq = weight(3 * C, C, 3)
+    xq = cp.asarray(rng.uniform(-1, 1, (1, C)).astype(np.float32))
+    bq = cp.asarray(rng.uniform(-1, 1, 3 * C).astype(np.float32))
+
+    def run():
+        out = []
+        for name, W, x, b, r0, ln, epi in cases:
+            y = r0.copy() if epi == "residual" else poison(cp.empty(r0.shape, cp.float32))
+            ops.gemv(x, W, None if epi == "none" else b, out=y, ln=ln, gelu=epi == "gelu", residual=epi == "residual")
+            out.append((name, y.get()))
+        for ln in (None, (g, o)):
+            q = poison(cp.empty((1, C), cp.float32))
+            kc, vc = (poison(cp.empty((1, H, L, C // H), cp.float32)) for _ in range(2))
+            ops.gemv_qkv(xq, Wq, bq, q, kc, vc, pos, ln=ln)
+            out.append((f"qkv ln={ln is not None}", np.concatenate([q.get().ravel(), kc[0, :, 1].get().ravel(),
+                                                                     vc[0, :, 1].get().ravel()])))
+        return out
+
+    batch1 = run()
+    monkeypatch.setattr(ops, "gemv_module", lambda B, K: ops.MAXB)
+    for (name, got), (_, want) in zip(batch1, run()):
+        np.testing.assert_array_equal(got, want, err_msg=f"{kind} {name}: MAXB 1 vs MAXB {ops.MAXB}")
 
 
 @gpu

@@ -380,14 +380,16 @@ def test_every_kernel_the_wrappers_name_is_in_gpt2_cu():
     assert {n.split("<")[0] for n in ops.KERNEL_NAMES if "<" in n} == templates == {"gemv_v3", "gemv_v4", "gemv_v5"}
 
 
-def test_gpt2_cu_compiles_every_name_the_wrappers_launch():
+@pytest.mark.parametrize("maxb", [8, 1])
+def test_gpt2_cu_compiles_every_name_the_wrappers_launch(maxb):
     """NVRTC, as CuPy runs it on the GPU: each template instantiation ops.py names is compiled through its
-    name expression, with the V5_ROWS defines, without spills (tests/test_compile.py compiles the ROWS ones)."""
+    name expression, with the V5_ROWS defines, without spills (tests/test_compile.py compiles the ROWS ones),
+    for MAXB 8 and the batch-1 module's MAXB 1 (ops.gemv_module: gemv_v5 with x staged in shared memory)."""
     pytest.importorskip("cupy")
     from common import kernels as K
     from step4_gpt2 import ops
     arch = 80 if 80 in K.supported_archs() else K.supported_archs()[-1]
-    r = K.compile_offline(ops.CU, arch, ops.defines(ops.V5_ROWS), name_expressions=ops.CU_TEMPLATES[ops.CU])
+    r = K.compile_offline(ops.CU, arch, ops.defines(ops.V5_ROWS, maxb=maxb), name_expressions=ops.CU_TEMPLATES[ops.CU])
     assert set(ops.KERNEL_NAMES) <= set(r.kernels), r.table()
     spilled = [k.name for k in r.kernels.values() if k.spill_stores or k.spill_loads]
     assert r.kernels and not spilled, r.table()
