@@ -39,6 +39,17 @@ from step4_gpt2.weights import GPTConfig
 
 PRECISIONS = ("bf16",)        # TrainGPT is the fp32 model; MixedGPT adds bf16 (make_model picks)
 F32, BF16 = np.float32, np.uint16
+VOCAB_ALIGN = 64              # the logits' rows are padded to a multiple of this many columns (padded_vocab)
+
+
+def padded_vocab(V: int) -> int:
+    """V rounded up to VOCAB_ALIGN: the LM head's GEMMs run over this many vocabulary rows. cuBLAS's fast
+    tensor-core kernels read and write 16 bytes at a time along a matrix's contiguous dimension, which must then be
+    a multiple of 8 bf16 values; GPT-2's V = 50257 is odd, and the unpadded logits GEMMs ran on a fallback kernel
+    several times slower. So MixedGPT keeps a bf16 copy of wte with zero rows below V (head16), the logits and
+    dlogits rows are padded_vocab(V) long, and the classifier sees -inf in the pad columns (softmax weight exactly
+    0, gradient 0). llm.c pads GPT-2's vocabulary to 50304 for the same reason."""
+    return -(-V // VOCAB_ALIGN) * VOCAB_ALIGN
 
 
 def _buffers(cfg: GPTConfig, B: int, T: int, recompute: bool) -> dict:
@@ -60,7 +71,8 @@ def _buffers(cfg: GPTConfig, B: int, T: int, recompute: bool) -> dict:
         "dres16m": (0, (N, C), BF16), "dres16a": (0, (N, C), BF16), "dh16": (0, (N, 4 * C), BF16),   # for the GEMMs
         "dqkv16": (0, (N, 3 * C), BF16),
         "datty": (0, (B, T, C), BF16), "dqkv": (0, (B, T, 3 * C), F32),
-        "delta": (0, (B, H, T), F32), "logits": (0, (N, V), F32), "dlogits": (0, (N, V), BF16),
+        "delta": (0, (B, H, T), F32), "logits": (0, (N, padded_vocab(V)), F32),
+        "dlogits": (0, (N, padded_vocab(V)), BF16),
         "losses": (0, (N,), F32), "mt": (0, (N,), F32), "rt": (0, (N,), F32),    # recomputation's mean, rstd
     }
 
@@ -113,6 +125,8 @@ class MixedGPT(TrainGPT):
         super().__init__(config, params, seed)
         self.precision, self.recompute = precision, bool(recompute)
         self.flat16 = cp.empty(self.flat.size, cp.uint16)       # the bf16 copy, remade every forward
+        V, C = config.vocab_size, config.n_embd                   # the LM head's: wte's rows, then zeros
+        self.head16 = cp.zeros((padded_vocab(V), C), cp.uint16)
         self.params16, off = {}, 0
         for k, s in self.shapes.items():
             n = int(np.prod(s))
@@ -143,6 +157,7 @@ class MixedGPT(TrainGPT):
         p = lambda i, n: P[f"h.{i}.{n}"]  # noqa: E731
         w = lambda i, n: W[f"h.{i}.{n}"]  # noqa: E731
         bf.to_bf16(self.flat, out=self.flat16)
+        bf.to_bf16(P["wte.weight"], out=self.head16[:cfg.vocab_size])
         x = ops.encoder_forward(idx, P["wte.weight"], P["wpe.weight"], out=a.resid[0])
         self._ln(x, p(0, "ln_1.weight"), p(0, "ln_1.bias"), a.ln1[0], a, a.m1[0], a.r1[0])
         for i in range(L):
@@ -159,10 +174,15 @@ class MixedGPT(TrainGPT):
             lw, lb = (P["ln_f.weight"], P["ln_f.bias"]) if last else (p(i + 1, "ln_1.weight"), p(i + 1, "ln_1.bias"))
             self._ln(a.resid2[i], lw, lb, a.lnf if last else a.ln1[i + 1], a, a.m1[i + 1], a.r1[i + 1], y=a.tmp,
                      ybias=p(i, "mlp.c_proj.bias"), resid=a.resid[i + 1])
-        bf.gemm_bf16(a.lnf, W["wte.weight"].T, a.logits)
+        V = cfg.vocab_size
+        bf.gemm_bf16(a.lnf, self.head16.T, a.logits)
+        a.logits[:, V:].fill(-np.inf)            # the pad columns (zeros from head16's zero rows): out of the softmax
         if targets is None:
-            return a.logits.reshape(B, T, cfg.vocab_size).copy()
-        losses = ops.classifier(a.logits, targets.reshape(N), losses=a.losses, grad=grad)
+            return a.logits[:, :V].copy().reshape(B, T, V)
+        if grad:                                 # the gradient straight to bf16, where the GEMMs read it
+            losses = bf.classifier_bf16(a.logits, targets.reshape(N), losses=a.losses, dlogits=a.dlogits)
+        else:
+            losses = ops.classifier(a.logits, targets.reshape(N), losses=a.losses, grad=False)
         self._a = a if grad else None
         return losses.mean()
 
@@ -178,10 +198,11 @@ class MixedGPT(TrainGPT):
 
     def backward(self):
         """Gradients of the last forward(grad=True) into self.grads (overwritten), in mixed precision. Each GEMM
-        reads a bf16 copy of the fp32 gradient before it (one cast; the attention's dO comes out of its GEMM in
-        bf16 directly); LayerNorm and GELU backward run in fp32. As in TrainGPT.backward, the weight gradients
-        (and bias column sums) run on a second stream beside the pass: each buffer they read is noted with an
-        event, and the pass waits for that event before it writes the buffer again (_Readers)."""
+        reads a bf16 copy of the fp32 gradient before it (one cast; the classifier wrote dlogits in bf16 and the
+        attention's dO comes out of its GEMM in bf16 directly); LayerNorm and GELU backward run in fp32. As in
+        TrainGPT.backward, the weight gradients (and bias column sums) run on a second stream beside the pass: each
+        buffer they read is noted with an event, and the pass waits for that event before it writes the buffer
+        again (_Readers)."""
         import cupy as cp
         a, cfg, P, G, W = self._a, self.config, self.params, self.grads, self.params16
         if a is None:
@@ -193,10 +214,9 @@ class MixedGPT(TrainGPT):
         w = lambda i, n: W[f"h.{i}.{n}"]  # noqa: E731
         side = _Readers(self._weight_grad_stream(), cp.cuda.get_current_stream())
         dqkv = a.dqkv.reshape(N, 3 * C)
-        bf.to_bf16(a.logits, out=a.dlogits)                              # a.logits now holds dlogits
-        bf.gemm_bf16(a.dlogits, W["wte.weight"], a.dln)
-        with side.reading(a.dlogits, a.lnf):
-            bf.gemm_bf16(a.dlogits.T, a.lnf, G["wte.weight"])           # the LM head's share of dwte
+        bf.gemm_bf16(a.dlogits, self.head16, a.dln)                     # pad columns 0 times zero rows
+        with side.reading(a.dlogits, a.lnf):                             # the LM head's share of dwte: V rows
+            bf.gemm_bf16(a.dlogits[:, :cfg.vocab_size].T, a.lnf, G["wte.weight"])
         ops.layernorm_backward(a.dln, a.resid[L], P["ln_f.weight"], a.m1[L], a.r1[L], dx=a.dres,
                                dweight=G["ln_f.weight"], dbias=G["ln_f.bias"])
         for i in reversed(range(L)):

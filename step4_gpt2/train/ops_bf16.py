@@ -48,6 +48,11 @@ def _mixed(name: str):
     return get_kernel(CU_MIXED, name)
 
 
+def _grid4(n: int) -> tuple[int]:
+    """mixed.cu's casts: a thread per four elements (their vector path; the grid-stride loop covers the rest)."""
+    return launch_grid(-(-n // 4), BLOCK)
+
+
 def to_bf16(x, out=None):
     """out (uint16, x's shape) = bf16(x), round to nearest even (flash.to_bf16's bits for every number; a NaN
     stays NaN, which flash.to_bf16 would round into another value). x contiguous float32: the flat parameter
@@ -55,7 +60,7 @@ def to_bf16(x, out=None):
     x = expect_array(x, "x", dtype=np.float32)
     out = out_array(out, x.shape, np.uint16)
     if x.size:
-        _mixed("to_bf16")(launch_grid(x.size, BLOCK), (BLOCK,), (x, out, np.int64(x.size)))
+        _mixed("to_bf16")(_grid4(x.size), (BLOCK,), (x, out, np.int64(x.size)))
     return out
 
 
@@ -65,7 +70,7 @@ def bias_to_bf16(x, bias, out=None):
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(x.shape[1],))
     out = out_array(out, x.shape, np.uint16)
     if x.size:
-        _mixed("bias_to_bf16")(launch_grid(x.size, BLOCK), (BLOCK,), (x, bias, out, np.int64(x.size), np.int32(x.shape[1])))
+        _mixed("bias_to_bf16")(_grid4(x.size), (BLOCK,), (x, bias, out, np.int64(x.size), np.int32(x.shape[1])))
     return out
 
 
@@ -75,7 +80,7 @@ def gelu_bias_bf16(x, bias, out=None):
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(x.shape[1],))
     out = out_array(out, x.shape, np.uint16)
     if x.size:
-        _mixed("gelu_bias_bf16")(launch_grid(x.size, BLOCK), (BLOCK,), (x, bias, out, np.int64(x.size), np.int32(x.shape[1])))
+        _mixed("gelu_bias_bf16")(_grid4(x.size), (BLOCK,), (x, bias, out, np.int64(x.size), np.int32(x.shape[1])))
     return out
 
 
@@ -131,6 +136,22 @@ def gemm_bf16(a, b, out=None, accumulate: bool = False):
                                 ctypes.c_void_p(out.data.ptr), ctype, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                f"cublasGemmEx bf16 ({m}x{k} @ {k}x{n})")
     return out
+
+
+def classifier_bf16(logits, targets, losses=None, dlogits=None, scale: float | None = None):
+    """Per-row losses of logits (N, V) float32 (read only) against targets (N,) int32, and dlogits (N, V) bf16 =
+    (softmax - onehot) * scale (default 1/N): step 3's fused classifier with its gradient in bf16, one block per
+    row. Returns losses."""
+    from step3_fused.training import _row_block
+    logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)
+    N, V = logits.shape
+    targets = expect_array(targets, "targets", dtype=np.int32, shape=(N,))
+    losses = out_array(losses, (N,), name="losses")
+    dlogits = out_array(dlogits, (N, V), np.uint16, name="dlogits")
+    if N and V:
+        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, dlogits, np.int32(V),
+                                                            np.float32(1.0 / N if scale is None else scale)))
+    return losses
 
 
 # ---------------------------------------------------------------------------------------- attention

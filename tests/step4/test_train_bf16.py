@@ -56,7 +56,7 @@ def test_bf16_rounding_is_to_nearest_even():
 def test_kernels_compile_for_every_arch_and_trap_below_sm80(source, head_dim):
     from common.kernels import ARCHS, compile_offline, supported_archs
     want = {"attention_forward_bf16", "attention_delta_bf16", "attention_dkv_bf16", "attention_dq_bf16"} \
-        if "attention" in source else {"to_bf16", "bias_to_bf16", "gelu_bias_bf16"}
+        if "attention" in source else {"to_bf16", "bias_to_bf16", "gelu_bias_bf16", "classifier_bf16"}
     for arch in (a for a in ARCHS if a in supported_archs()):
         report = compile_offline(source, arch, defines={"HEAD_DIM": head_dim})
         assert not report.warnings, (arch, report.warnings)
@@ -138,12 +138,24 @@ def from_bf16(bits):
     return bf16_to_float32(bits).get()
 
 
+def _shifted(a, offset: int):
+    """a copy of the CuPy array a that starts `offset` elements into a fresh buffer: misaligned for offset 1
+    (mixed.cu's casts then take their scalar path)."""
+    import cupy as cp
+    buf = cp.empty(a.size + offset, a.dtype)
+    out = buf[offset:].reshape(a.shape)
+    out[...] = a
+    return out
+
+
 @gpu
-@pytest.mark.parametrize("shape", [(1,), (7, 33), (300, 1001)])
-def test_casts_against_numpy(shape):
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("shape", [(1,), (7, 33), (3, 5), (4, 768), (300, 1001)])
+def test_casts_against_numpy(shape, offset):
     import cupy as cp
     x = rand(shape, seed=1, scale=3.0)
-    out = poison(cp.empty(shape, cp.uint16))
+    cuda = lambda a: _shifted(cp.asarray(a), offset)            # noqa: E731
+    out = _shifted(poison(cp.empty(shape, cp.uint16)), offset)
     bf.to_bf16(cuda(x), out=out)
     assert np.array_equal(from_bf16(out), bf16_round(x))        # bit for bit: flash.to_bf16's rounding
     nan = cuda(np.array([np.nan, -np.nan, np.inf, -np.inf], np.float32))
@@ -151,10 +163,10 @@ def test_casts_against_numpy(shape):
     assert np.isnan(got[:2]).all() and np.array_equal(got[2:], [np.inf, -np.inf])
     if len(shape) == 2:
         bias = rand(shape[1], seed=2)
-        out = poison(cp.empty(shape, cp.uint16))
+        out = _shifted(poison(cp.empty(shape, cp.uint16)), offset)
         bf.bias_to_bf16(cuda(x), cuda(bias), out=out)
         assert np.array_equal(from_bf16(out), bf16_round(x + bias))
-        out = poison(cp.empty(shape, cp.uint16))
+        out = _shifted(poison(cp.empty(shape, cp.uint16)), offset)
         bf.gelu_bias_bf16(cuda(x), cuda(bias), out=out)
         assert_close(from_bf16(out), R.gelu_bias_forward(x, bias)[1], rtol=1e-2)
 
@@ -180,6 +192,60 @@ def test_gemm_bf16_fp32_accumulate(m, k, n, layout):
     out16 = poison(cp.empty((m, n), cp.uint16))
     bf.gemm_bf16(a, b, out16)
     assert_close(from_bf16(out16), ref, rtol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("m,n,ld", [(1, 37, 64), (257, 1001, 1024), (96, 50257, 50304)])
+def test_gemm_bf16_reads_the_transposed_columns_of_a_wider_buffer(m, n, ld):
+    """mixed.py's dwte GEMM: a = the transpose of the first n columns of an (m, ld) buffer (the padded dlogits),
+    read with leading dimension ld."""
+    import cupy as cp
+    k = 48
+    x, x64 = as_bf16(rand((m, k), 5))
+    w, w64 = as_bf16(rand((m, n), 7))
+    wide = cp.zeros((m, ld), cp.uint16)
+    wide[:, :n] = w
+    out = poison(cp.empty((n, k), cp.float32))
+    bf.gemm_bf16(wide[:, :n].T, x, out)
+    assert_close(out, w64.T @ x64, rtol=2e-5)
+
+
+@gpu
+@pytest.mark.parametrize("N,V,pad", [(1, 37, 0), (5, 65, 63), (33, 1001, 23), (4, 50257, 47)])
+def test_classifier_bf16_is_the_fp32_classifiers_gradient_rounded(N, V, pad):
+    """The same losses as step 3's fused classifier on the same rows and, bit for bit, its fp32 gradient rounded to
+    bf16; pad columns of -inf (mixed.py's padded logits rows) get a zero gradient; float64 reference. (A longer row
+    is reduced by a bigger block, in another order: compare padded with padded.)"""
+    import cupy as cp
+    from step4_gpt2.train import ops
+    z = rand((N, V), seed=8, scale=4.0)
+    t = np.random.default_rng(8).integers(0, V, N).astype(np.int32)
+    zp = np.concatenate([z, np.full((N, pad), -np.inf, np.float32)], axis=1)
+    losses = poison(cp.empty(N, cp.float32))
+    dz = poison(cp.empty((N, V + pad), cp.uint16))
+    got = bf.classifier_bf16(cuda(zp), cuda(t), losses=losses, dlogits=dz)
+    assert got is losses
+    z32 = cuda(zp)
+    want = ops.classifier(z32, cuda(t)).get()                 # z32 now holds the fp32 gradient
+    np.testing.assert_array_equal(losses.get(), want)
+    dz = from_bf16(dz)
+    assert np.array_equal(dz, bf16_round(z32.get())) and np.array_equal(dz[:, V:], np.zeros((N, pad)))
+    z64 = z.astype(np.float64)
+    lse = np.log(np.exp(z64 - z64.max(1, keepdims=True)).sum(1)) + z64.max(1)
+    assert_close(losses, lse - z64[np.arange(N), t], rtol=1e-5)
+    p = np.exp(z64 - lse[:, None])
+    p[np.arange(N), t] -= 1
+    assert_close(dz[:, :V], p / N, rtol=1e-2)
+
+
+@gpu
+def test_classifier_bf16_names_its_arguments():
+    import cupy as cp
+    z = cp.zeros((3, 10), cp.float32)
+    with pytest.raises(TypeError, match="targets: expected dtype int32"):
+        bf.classifier_bf16(z, cp.zeros(3, cp.int64))
+    with pytest.raises(ValueError, match="dlogits: expected shape"):
+        bf.classifier_bf16(z, cp.zeros(3, cp.int32), dlogits=cp.empty((3, 9), cp.uint16))
 
 
 @gpu
@@ -280,6 +346,26 @@ def test_one_step_against_torch_autocast_bf16(cfg, B, T):
     errs = {k: np.linalg.norm(ours[k] - theirs[k]) / max(np.linalg.norm(theirs[k]), 1e-30) for k in ours}
     print("\n".join(f"{k:28s} {e:.2e} (max {max_rel_error(ours[k], theirs[k]):.2e})" for k, e in errs.items()))
     assert max(errs.values()) < 2e-2, max(errs.items(), key=lambda kv: kv[1])
+
+
+def test_the_logits_rows_are_padded_to_a_multiple_of_64():
+    assert [MX.padded_vocab(v) for v in (1, 37, 64, 65, 50257)] == [64, 64, 64, 128, 50304]
+    N, V = 3 * 17, TINY.vocab_size
+    table = MX._buffers(TINY, 3, 17, False)
+    assert table["logits"][1] == (N, 64) and table["dlogits"][1] == (N, 64)
+    assert V < 64
+
+
+@gpu
+def test_logits_without_targets_are_the_fp32_models_within_bf16():
+    """forward(idx) returns the (B, T, V) logits: the padded buffer's first V columns, not its -inf pad."""
+    import cupy as cp
+    P = random_weights(TINY, 6, notice=False)
+    idx, _ = batch(TINY, 2, 9, seed=6)
+    fp32, mixed = _models(TINY, P)
+    want, got = fp32.forward(cp.asarray(idx)).get(), mixed.forward(cp.asarray(idx)).get()
+    assert got.shape == want.shape == (2, 9, TINY.vocab_size) and np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
 
 
 @gpu
