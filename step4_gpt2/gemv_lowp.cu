@@ -39,9 +39,9 @@
 //   dequant_bf16_v1, dequant_int8_v1
 //                the prefill path: widen a whole matrix to fp32 once, then cuBLAS multiplies (ops.matmul_lowp).
 //
-// Both GEMVs are one template, gemv_lowp<WT, EPI, LN>, over the weight format WT; unpack4<WT> is the only
-// place the formats differ. Weights travel as uint4 (16 bytes), whatever they hold, so K must be a multiple
-// of 8 (bf16) or 16 (int8) for every row to start 16-byte aligned.
+// Both GEMVs are one template, gemv_lowp<WT, EPI, LN>, over the weight format WT: unpack4<WT> widens a load,
+// PER_LOAD<WT> counts its weights and int8 multiplies by its row scale. Weights travel as uint4 (16 bytes),
+// whatever they hold, so K must be a multiple of 8 (bf16) or 16 (int8) for every row to start 16-byte aligned.
 //
 // Programmatic dependent launch (common/include/pdl.cuh): each GEMV issues its first weight loads, which no
 // kernel writes, then waits for the kernel before it (pdl_wait) before it reads x or writes anything, and lets
@@ -54,15 +54,15 @@
 // MAXB 1).
 //
 // Batch 1 (ops.gemv_module): a decode step at batch 1 launches a module compiled with MAXB=1 and X_SMEM=1,
-// batches of 2 and more the MAXB=8 one, for two reasons. At MAXB=8, acc[ROWS][MAXB] and the unrolled batch
-// loop hold registers a batch of 1 never uses (sm_90: int8 165-173 per lane, 98-128 at MAXB=1), so fewer
-// blocks are resident and a large matrix takes more rounds of tiles. And without the LayerNorm prologue x
-// was read from global memory inside the FMA loop: the compiler issues each x load right before the FMAs
-// that use it (the branch on b < B keeps them apart), so a lane waits for them one after another (int8: 16
-// per chunk at B=1, each a trip through L1 or L2). Copied once into shared memory, as the prologue does, x
-// is read at shared-memory latency. Only at MAXB=1 by default: MAXB rows of x per block (8 x 6400 floats =
-// 200 KB for GPT-2 XL's mlp_proj) would cost resident blocks instead. Either way each sum adds the same
-// products in the same order.
+// batches of 2 and more the MAXB=8 one. At MAXB=8, acc[ROWS][MAXB] and the unrolled batch loop hold
+// registers a batch of 1 never uses (sm_90: int8 165-173 per lane, 98-128 at MAXB=1), so fewer blocks are
+// resident and a large matrix takes more rounds of tiles: that is what the MAXB=1 build is for. X_SMEM also
+// copies x into shared memory without the LayerNorm prologue. Read from global memory inside the FMA loop,
+// each x load is issued right before the FMAs that use it (the branch on b < B keeps them apart), so a lane
+// waits for them one after another (int8: 16 per chunk at B=1); from shared memory it does not wait on them,
+// but the copy and its barrier come before each block's first FMA, so the trade depends on the matrix:
+// compile with X_SMEM=0 to compare. Never at MAXB=8: MAXB rows of x per block (8 x 6400 floats = 200 KB for
+// GPT-2 XL's mlp_proj) would cost resident blocks. Either way each sum adds the same products in the same order.
 #include "course.cuh"
 #include "pdl.cuh"
 #include "lowp.cuh"         // word, bf16x4_to_float4, i8x4_to_float4: the widening

@@ -13,8 +13,8 @@ generate() checks the prompts, pads them into one batch and hands the decoding t
   graph too, so the host queues the next step before it reads the last one's tokens (PIPELINE_DEPTH).
 - eager (cuda_graph=False): the same Decoder launching every kernel of every step.
 - programmatic=True: the step's own kernels (embedding, GEMVs, argmax) launch with programmatic dependent
-  launch on sm_90 and newer (`ops.programmatic`): each starts its weight loads while the one before it
-  drains, in the graph as eagerly; below sm_90 the launches stay plain.
+  launch on sm_90 and newer (`ops.programmatic`): each starts while the one before it drains (v5/v6/v7's
+  GEMVs with their first weight loads), in the graph as eagerly; below sm_90 the launches stay plain.
 - `decoder=`: another Decoder subclass, built with the same arguments (model, batch, cache length, greedy,
   and the options given to generate); generate() drives it the same way.
 The decoder (its KV cache, buffers and graphs) is kept on the model for the next call with the same class,

@@ -30,10 +30,10 @@
 //                       its weight loads are in flight) and a residual epilogue (x += y + bias, in place).
 //                       At batch 1 ops launches a module compiled with MAXB=1 (acc[ROWS][MAXB] and the batch
 //                       loop shrink to one row: sm_90 80-108 registers instead of 122-128, more resident
-//                       blocks), in which x is copied to shared memory without LN too (X_SMEM): read from
-//                       global inside the FMA loop, each x load is issued right before its FMAs, so a lane
-//                       waits for them one after another. MAXB rows of x per block would cost
-//                       resident blocks, so batches keep __ldg. The same products, summed in the same order.
+//                       blocks), in which x is copied to shared memory without LN too (X_SMEM): a lane then
+//                       does not wait on x's global loads one by one inside the FMA loop, at the price of a
+//                       copy and a barrier before the first FMA (X_SMEM=0 builds it without). MAXB rows of x
+//                       per block would cost resident blocks, so batches keep __ldg. Same products, same order.
 //   argmax_v1           greedy choice per row (first index on ties, like torch.argmax), and optionally
 //                       advance each sequence's position, all on the device.
 //   advance_v1          pos += 1, lens += 1 (after a token was sampled outside the graph).

@@ -45,7 +45,7 @@ from common import (allow_dynamic_smem, device_info, expect_array, expect_choice
 from step2_attention.flash import decode_attention, decode_split_count, flash_attention_qkv  # noqa: F401
 from step3_fused.ops import layernorm, residual_layernorm  # noqa: F401
 from step4_gpt2 import pdl
-from step4_gpt2.quantize import LowpWeight
+from step4_gpt2.quantize import KIND_OF_DTYPE, LowpWeight
 
 CU = Path(__file__).resolve().parent / "gpt2.cu"
 # Compile-time constants of gpt2.cu, passed as defines (the .cu's own values only serve offline compiles).
@@ -74,8 +74,9 @@ def programmatic(on: bool = True):
     with programmatic dependent launch (step4_gpt2/pdl.py) on sm_90 and newer: each may start while the kernel
     before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads that kernel's output. Below
     sm_90, and for the kernels of steps 2 and 3 this module re-exports (decode attention, LayerNorm), launches
-    stay plain. Either way the results are the same, as long as no kernel writes a GEMV's weights (the GEMVs
-    load their first weights before they wait); a CUDA graph captured inside keeps the early starts. The switch
+    stay plain. Either way the results are the same, as long as no kernel writes a GEMV's weights (gemv_v5/v6/v7
+    load their first weights before they wait; v3/v4 wait first); a CUDA graph captured inside keeps the early
+    starts. The switch
     is this module's state, not a thread's: one thread decodes at a time."""
     global _programmatic
     before, _programmatic = _programmatic, bool(on)
@@ -109,8 +110,9 @@ def gemv_module(B: int, K: int) -> int:
     """MAXB of the module a gemv_v5/v6/v7 call of B rows of K launches from: 1 at batch 1 (the decode of one
     sequence), MAXB otherwise. Compiled for MAXB rows, acc[ROWS][MAXB] and the batch loop hold registers that
     a batch of 1 never uses (sm_90, int8: 165-173 per lane, 98-128 at MAXB 1), so fewer blocks are resident;
-    the MAXB=1 module also copies x into shared memory (x_smem) when no LayerNorm prologue does, so the FMA
-    loop never waits on a global load of x. A row past X_SMEM_MAX_K floats keeps the MAXB module. Every GEMV
+    the MAXB=1 module also copies x into shared memory (x_smem) when no LayerNorm prologue does (a copy and a
+    barrier before the first FMA, instead of x's global loads inside the FMA loop; gemv_lowp.cu's header says
+    the trade). A row past X_SMEM_MAX_K floats keeps the MAXB module. Every GEMV
     wrapper (gemv, gemv_qkv, v5 and the bf16/int8 v6/v7) picks its module here, once per call."""
     return 1 if B == 1 and K <= X_SMEM_MAX_K else MAXB
 
@@ -376,9 +378,8 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
     """(kind, version) of a bf16/int8 weight of `dtype` read with rows of K weights; a named error for a
     dtype that is neither, a scale where none belongs or missing, K not a whole number of 16-byte loads, or a
     version that reads another format. (A function of its own, so the rules are checked without a GPU.)"""
-    kinds = {np.dtype(np.uint16): "bf16", np.dtype(np.int8): "int8"}
-    kind = kinds.get(np.dtype(dtype) if dtype is not None else None)
-    if kind is None:
+    kind = KIND_OF_DTYPE.get(np.dtype(dtype) if dtype is not None else None)
+    if kind in (None, "fp32"):
         want = {6: "uint16 (bf16 bit patterns)", 7: "int8"}.get(version, "uint16 (bf16 bits) or int8")
         why = f"version {version} reads" if version in GEMV_LOWP_VERSIONS else "scale= is for"
         raise TypeError(f"W: {why} {want} weights, got dtype {np.dtype(dtype) if dtype is not None else None}")
@@ -485,7 +486,8 @@ def matmul_lowp(x, W, scale=None, out=None):
     the prefill's matrix products. The simplest correct way: `dequantize` widens W to a float32 scratch
     matrix with one kernel, then cuBLAS multiplies (cupy.matmul). It costs the fp32 bytes of W once per call
     (written, then read by cuBLAS) - once per prefill, not per token: for a prompt of M tokens that is
-    8 / M bytes per weight per token more than an fp32 prefill reads. A float32 W goes straight to cuBLAS."""
+    (1 or 2 read + 4 written) / M bytes per weight per token more than an fp32 prefill moves. A float32 W
+    goes straight to cuBLAS."""
     import cupy as cp
     W, scale = _unpack(W, scale)
     x = expect_array(x, "x", dtype=np.float32, ndim=2)

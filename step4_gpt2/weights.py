@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.check import expect_choice
+
 HF_REPO = "openai-community/gpt2"     # gpt2-medium / -large / -xl load the same way
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -268,8 +270,7 @@ def as_dtype(params: dict, dtype: str = "fp32", bf16: frozenset = frozenset()) -
     uint16 arrays that already hold bf16 bits (kept as they are for "bf16", widened exactly for "fp32");
     float tensors are rounded to bf16 to nearest even (step4_gpt2.quantize.to_bf16)."""
     from step4_gpt2.quantize import from_bf16, to_bf16
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    expect_choice(dtype, "dtype", DTYPES)
     out = {}
     for n, t in params.items():
         bits = n in bf16 and t.dtype == np.uint16
@@ -286,8 +287,7 @@ def load_file(path, cfg: GPTConfig | None = None, dtype: str = "fp32") -> tuple[
     come back as uint16 bf16 bit patterns instead (as_dtype: a bf16 file's bits kept, others rounded).
 
     The config comes from `cfg`, else from a config.json beside the file, else from the shapes."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    expect_choice(dtype, "dtype", DTYPES)
     path = weights_path(path)
     raw, bf16 = _read(path, keep_bf16=dtype == "bf16")
     tensors = normalize(raw)
@@ -419,8 +419,7 @@ def load(name: str = "gpt2", path=None, allow_random: bool = True, seed: int = 0
     notice="stderr", as the messages about the failed download; notice=False prints nothing).
     dtype="bf16": the weight matrices as bf16 bit patterns (load_file), random ones rounded to bf16."""
     out = sys.stderr if notice == "stderr" else sys.stdout
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    expect_choice(dtype, "dtype", DTYPES)
     if path is not None:
         cfg, params = load_file(path, dtype=dtype)
         return cfg, params, False

@@ -11,8 +11,9 @@ The napkin math the sweep tests (GPT-2 XL's 1600-wide rows, an H100/H200 of 132 
 - A 16-byte load holds 4 fp32, 8 bf16 or 16 int8 weights, so at UNROLL 4 a row takes 4, 2 or 1 warps, and
   after its round trip each lane widens and multiplies 64, 128 or 256 weights: the lowp blocks do 2-4x the work
   per lane on 2-4x fewer warps. UNROLL 1 gives int8 fp32's block shape (4 warps, 64 weights per lane).
-- But registers are what bounds occupancy: NVRTC's sm_90 build takes ~170 registers per lane for int8 at
-  UNROLL 4 and ~95 at UNROLL 1, i.e. 1.5 vs 0.67 bytes in flight per register. Spreading the widening over
+- But registers are what bounds occupancy: NVRTC's sm_90 build of the batch module (MAXB 8) takes ~170
+  registers per lane for int8 at UNROLL 4 and ~95 at UNROLL 1, i.e. 1.5 vs 0.67 bytes in flight per register
+  (the batch-1 module, MAXB 1, which the b=1 rows time: ~100-128 and ~40-64). Spreading the widening over
   more warps holds 2.3x fewer bytes in flight on the same register file: a matrix whose tiles all fit at once
   (c_attn, c_proj) can gain, one that needs more waves (the LM head) needs more round trips. More ROWS keep the
   bytes per register and share each x load among more rows, with fewer, larger blocks.

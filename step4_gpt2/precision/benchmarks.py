@@ -36,11 +36,11 @@ from collections.abc import Mapping
 from common.benchmarks import Row
 from common.timing import copy_bandwidth   # not `from common import ...`: common.benchmarks shadows bench
 from step4_gpt2.benchmarks import random_ids, wall_s
+from step4_gpt2.quantize import PRECISIONS
 
 STEPS = 64
 PROMPT_LEN = 32
 BATCHES = (1, 8)
-PRECISIONS = ("fp32", "bf16", "int8")
 SHAPES = ("gpt2", "gpt2-xl")
 XL_MEMORY_FACTOR = 1.2           # GPU memory an XL rung needs, in units of its fp32 weights' bytes
 TRAIN_SECONDS = 45.0

@@ -26,16 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from step4_gpt2.quantize import PRECISIONS, _xp
+
 LOGITS_BUDGET = 256 * 2**20         # bytes of float32 logits per forward call, and
 TOKENS_PER_CALL = 16384             # tokens per forward call: the windows per call follow from both
-
-
-def _xp(a):
-    try:
-        import cupy as cp
-        return cp.get_array_module(a)
-    except ImportError:
-        return np
 
 
 def token_nll(logits, targets):
@@ -184,7 +178,7 @@ def gpt2_cached():
     return (*W.load_file(path), "")
 
 
-def quality_table(config, params, ids, T: int, precisions=("fp32", "bf16", "int8"), max_windows: int | None = None,
+def quality_table(config, params, ids, T: int, precisions=PRECISIONS, max_windows: int | None = None,
                   prompts=None, n: int = 64, lm_head: str | None = None) -> dict:
     """{precision: {"ppl": perplexity, "change": relative change vs fp32, "agreement": Agreement vs fp32 (None
     for fp32 or without prompts)}} of GPT(config, params, precision) on ids, one model on the GPU at a time."""

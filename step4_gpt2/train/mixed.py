@@ -7,13 +7,15 @@
 
 What changes against model.py's fp32 TrainGPT, and what does not:
   * The parameters stay fp32 (the master weights, in the flat buffer AdamW updates); every forward first makes
-    their bf16 copy, one cast over the whole flat buffer (ops_bf16.to_bf16).
+    their bf16 copy, one cast over the whole flat buffer (ops_bf16.to_bf16), and the LM head's padded copy of
+    wte (head16, padded_vocab).
   * Every GEMM multiplies bf16 on the tensor cores and accumulates in fp32 (cuBLAS, ops_bf16.gemm_bf16); the
     attention forward and backward run on bf16 tensor cores (attention_bf16.cu, sm_80+). The activations a GEMM
     reads are stored in bf16 (LayerNorm outputs, qkv, the attention output, the GELU output): half the bytes.
   * LayerNorm, GELU, the softmax of the loss and their backward passes compute in fp32 on fp32 inputs (the
-    residual stream, the MLP pre-activation and the gradients stay fp32); weight gradients land in fp32 in the
-    same flat grads buffer, so the gradient norm, clipping and AdamW are unchanged.
+    residual stream, the MLP pre-activation and the gradients they read stay fp32; the two gradients only a GEMM
+    reads, dlogits and the attention's dO, are written in bf16); weight gradients land in fp32 in the same flat
+    grads buffer, so the gradient norm, clipping and AdamW are unchanged.
 
 No loss scaling. fp16 training multiplies the loss by a large factor (and divides the gradients back) because
 fp16 has 5 exponent bits: gradients below about 6e-8 flush to zero. bf16 has fp32's 8 exponent bits, the same
@@ -43,12 +45,13 @@ VOCAB_ALIGN = 64              # the logits' rows are padded to a multiple of thi
 
 
 def padded_vocab(V: int) -> int:
-    """V rounded up to VOCAB_ALIGN: the LM head's GEMMs run over this many vocabulary rows. cuBLAS's fast
-    tensor-core kernels read and write 16 bytes at a time along a matrix's contiguous dimension, which must then be
-    a multiple of 8 bf16 values; GPT-2's V = 50257 is odd, and the unpadded logits GEMMs ran on a fallback kernel
-    several times slower. So MixedGPT keeps a bf16 copy of wte with zero rows below V (head16), the logits and
-    dlogits rows are padded_vocab(V) long, and the classifier sees -inf in the pad columns (softmax weight exactly
-    0, gradient 0). llm.c pads GPT-2's vocabulary to 50304 for the same reason."""
+    """V rounded up to VOCAB_ALIGN: the LM head's forward and input-gradient GEMMs run over this many vocabulary
+    rows (dwte's reads the first V columns of dlogits, the padded row length its leading dimension). cuBLAS's
+    fast tensor-core kernels read and write 16 bytes at a time along a matrix's contiguous dimension, which must
+    then be a multiple of 8 bf16 values; GPT-2's V = 50257 is odd, and the unpadded logits GEMMs ran on a
+    fallback kernel several times slower. So MixedGPT keeps a bf16 copy of wte with zero rows past V (head16),
+    the logits and dlogits rows are padded_vocab(V) long, and the classifier sees -inf in the pad columns
+    (softmax weight exactly 0, gradient 0). llm.c pads GPT-2's vocabulary to 50304 for the same reason."""
     return -(-V // VOCAB_ALIGN) * VOCAB_ALIGN
 
 

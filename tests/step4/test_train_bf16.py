@@ -353,7 +353,6 @@ def test_the_logits_rows_are_padded_to_a_multiple_of_64():
     N, V = 3 * 17, TINY.vocab_size
     table = MX._buffers(TINY, 3, 17, False)
     assert table["logits"][1] == (N, 64) and table["dlogits"][1] == (N, 64)
-    assert V < 64
 
 
 @gpu
