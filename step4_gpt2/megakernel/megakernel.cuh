@@ -32,9 +32,9 @@
 // stores them. Only the loads change: a lane's 16-byte load brings 4, 8 or 16 weights, which are widened to
 // float in registers (Fmt<WT>::unpack4, the same bit operations as step4_gpt2/gemv_lowp.cu's unpack4) and
 // multiplied by the fp32 stage input as before; an int8 row's sum is multiplied by its scale once, before the
-// epilogue. Everything else (activations, the KV cache, biases, LayerNorms, the embedding) stays fp32. The fp32
-// build (W_F32) is the same arithmetic in the same order as before the weights had a format: unpack4 of a float4
-// is the float4 itself.
+// epilogue (the MLP's down projection: each group's partial sum, before it is added). Everything else
+// (activations, the KV cache, biases, LayerNorms, the embedding) stays fp32. The fp32 build (W_F32) is the same
+// arithmetic in the same order as before the weights had a format: unpack4 of a float4 is the float4 itself.
 //
 // Nothing here can hang: every wait is bounded by %globaltimer (timeout_ns); on a timeout a block records
 // (code 1, block, stage, layer, step) in err[] and every block leaves at its next wait; the host turns err[]
