@@ -50,19 +50,15 @@
 //
 // Compile-time knobs (ops.py passes them; the defaults are its values): MAXB (batch rows per launch), ROWS
 // (output rows per block), UNROLL (16-byte weight loads per row a lane has in flight), MAXWARPS (largest
-// block, in warps: its __launch_bounds__), X_SMEM (x staged in shared memory without LN too; default: at
-// MAXB 1).
+// block, in warps: its __launch_bounds__).
 //
-// Batch 1 (ops.gemv_module): a decode step at batch 1 launches a module compiled with MAXB=1 and X_SMEM=1,
-// batches of 2 and more the MAXB=8 one. At MAXB=8, acc[ROWS][MAXB] and the unrolled batch loop hold
-// registers a batch of 1 never uses (sm_90: int8 165-173 per lane, 98-128 at MAXB=1), so fewer blocks are
-// resident and a large matrix takes more rounds of tiles: that is what the MAXB=1 build is for. X_SMEM also
-// copies x into shared memory without the LayerNorm prologue. Read from global memory inside the FMA loop,
-// each x load is issued right before the FMAs that use it (the branch on b < B keeps them apart), so a lane
-// waits for them one after another (int8: 16 per chunk at B=1); from shared memory it does not wait on them,
-// but the copy and its barrier come before each block's first FMA, so the trade depends on the matrix:
-// compile with X_SMEM=0 to compare. Never at MAXB=8: MAXB rows of x per block (8 x 6400 floats = 200 KB for
-// GPT-2 XL's mlp_proj) would cost resident blocks. Either way each sum adds the same products in the same order.
+// Batch 1 (ops.gemv_module): a decode step at batch 1 launches a module compiled with MAXB=1, batches of 2
+// and more the MAXB=8 one. At MAXB=8, acc[ROWS][MAXB] and the unrolled batch loop hold registers a batch of
+// 1 never uses (sm_90, int8: 165-173 per lane, 121-128 at MAXB=1), so fewer blocks are resident and a large
+// matrix takes more rounds of tiles. x is read the same way in both: from shared memory behind the LayerNorm
+// prologue, else with __ldg inside the FMA loop. Copying x to shared memory without LN too would delay every
+// block's first FMA until the whole row has arrived, and was not faster. Each sum adds the same products in
+// the same order either way.
 #include "course.cuh"
 #include "pdl.cuh"
 #include "lowp.cuh"         // word, bf16x4_to_float4, i8x4_to_float4: the widening
@@ -78,9 +74,6 @@
 #endif
 #ifndef MAXWARPS
 #define MAXWARPS 8
-#endif
-#ifndef X_SMEM
-#define X_SMEM (MAXB == 1)
 #endif
 
 // The same epilogues as gpt2.cu (the two files compile separately, so the enum is written again).
@@ -145,8 +138,7 @@ __device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const voi
                                           const float* __restrict__ ln_b, float eps, float* __restrict__ k_cache,
                                           float* __restrict__ v_cache, const int* __restrict__ pos, int H, int L) {
     constexpr int G = WeightFormat<WT>::PER_LOAD / 4;        // float4s of x per weight load
-    constexpr bool XS = LN || X_SMEM;                        // the FMA loop reads x from shared memory
-    extern __shared__ float4 xs4[];                           // XS: B x K/4, the rows (normalised with LN)
+    extern __shared__ float4 xs4[];                           // LN only: the normalised rows, B x K/4
     __shared__ float red[2][MAXWARPS][ROWS][MAXB];            // two buffers: one barrier per tile
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     const int K4 = K / 4, KV = K / WeightFormat<WT>::PER_LOAD, chunk = blockDim.x * UNROLL;
@@ -184,9 +176,6 @@ __device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const voi
             }
         }
         __syncthreads();
-    } else if (XS) {                                          // as they are: every thread copies, no reduction
-        for (int i = threadIdx.x; i < B * K4; i += blockDim.x) xs4[i] = __ldg(x4 + i);
-        __syncthreads();
     }
     for (int it = 0; tile < ntiles; tile += gridDim.x, ++it) {
         const int n0 = tile * ROWS;
@@ -210,7 +199,7 @@ __device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const voi
 #pragma unroll
                     for (int b = 0; b < MAXB; ++b) {
                         if (b < B) {
-                            const float4 xv = XS ? xs4[b * K4 + kx] : __ldg(x4 + (long long)b * K4 + kx);
+                            const float4 xv = LN ? xs4[b * K4 + kx] : __ldg(x4 + (long long)b * K4 + kx);
 #pragma unroll
                             for (int r = 0; r < ROWS; ++r) acc[r][b] += dot4(wf[r], xv);
                         }

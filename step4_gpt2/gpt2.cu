@@ -28,12 +28,11 @@
 //                       reduction. Two more fusions remove the residual_layernorm launches of a step: a
 //                       LayerNorm prologue (each block normalises the B input rows into shared memory while
 //                       its weight loads are in flight) and a residual epilogue (x += y + bias, in place).
-//                       At batch 1 ops launches a module compiled with MAXB=1 (acc[ROWS][MAXB] and the batch
-//                       loop shrink to one row: sm_90 80-108 registers instead of 122-128, more resident
-//                       blocks), in which x is copied to shared memory without LN too (X_SMEM): a lane then
-//                       does not wait on x's global loads one by one inside the FMA loop, at the price of a
-//                       copy and a barrier before the first FMA (X_SMEM=0 builds it without). MAXB rows of x
-//                       per block would cost resident blocks, so batches keep __ldg. Same products, same order.
+//                       At batch 1 ops launches a module compiled with MAXB=1: acc[ROWS][MAXB] and the batch
+//                       loop shrink to one row (sm_90: 80-108 registers instead of 122-128), so more blocks
+//                       are resident. x is read as at MAXB=8; copying it to shared memory without LN too
+//                       would delay every block's first FMA and was not faster. The same products, summed
+//                       in the same order.
 //   argmax_v1           greedy choice per row (first index on ties, like torch.argmax), and optionally
 //                       advance each sequence's position, all on the device.
 //   advance_v1          pos += 1, lens += 1 (after a token was sampled outside the graph).
@@ -47,8 +46,7 @@
 // Compile-time knobs, passed by ops.py as defines (the defaults below are ops.py's values, so the file also
 // compiles alone, e.g. with nvcc): MAXB (batch rows per GEMV launch), ROWS (output rows per warp in gemv_v3, per block in
 // gemv_v4/v5), V4_WARPS (warps sharing a row block in gemv_v4), V5_UNROLL (float4 loads per row a lane has
-// in flight in gemv_v5), V5_MAXWARPS (gemv_v5's largest block, in warps: its __launch_bounds__), X_SMEM
-// (gemv_v5 stages x in shared memory without LN too; default: at MAXB 1).
+// in flight in gemv_v5), V5_MAXWARPS (gemv_v5's largest block, in warps: its __launch_bounds__).
 #include "course.cuh"
 #include "pdl.cuh"
 
@@ -66,9 +64,6 @@
 #endif
 #ifndef V5_MAXWARPS
 #define V5_MAXWARPS 8
-#endif
-#ifndef X_SMEM
-#define X_SMEM (MAXB == 1)
 #endif
 
 // ------------------------------------------------------------------------------------------ embedding
@@ -345,8 +340,7 @@ gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* _
         float* __restrict__ y, int B, int N, int K, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
         float eps, float* __restrict__ k_cache, float* __restrict__ v_cache, const int* __restrict__ pos,
         int H, int L) {
-    constexpr bool XS = LN || X_SMEM;                        // the FMA loop reads x from shared memory
-    extern __shared__ float4 xs4[];                           // XS: B x K/4, the rows (normalised with LN)
+    extern __shared__ float4 xs4[];                           // LN only: the normalised rows, B x K/4
     __shared__ float red[2][V5_MAXWARPS][ROWS][MAXB];         // two buffers: one barrier per tile
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
     const int K4 = K / 4, chunk = blockDim.x * V5_UNROLL;
@@ -384,9 +378,6 @@ gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* _
             }
         }
         __syncthreads();
-    } else if (XS) {                                          // as they are: every thread copies, no reduction
-        for (int i = threadIdx.x; i < B * K4; i += blockDim.x) xs4[i] = __ldg(x4 + i);
-        __syncthreads();
     }
     for (int it = 0; tile < ntiles; tile += gridDim.x, ++it) {
         const int n0 = tile * ROWS;
@@ -404,7 +395,7 @@ gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* _
 #pragma unroll
                 for (int b = 0; b < MAXB; ++b) {
                     if (b < B) {
-                        const float4 xv = XS ? xs4[(long long)b * K4 + k] : __ldg(x4 + (long long)b * K4 + k);
+                        const float4 xv = LN ? xs4[(long long)b * K4 + k] : __ldg(x4 + (long long)b * K4 + k);
 #pragma unroll
                         for (int r = 0; r < ROWS; ++r) acc[r][b] += dot4(w[r][u], xv);
                     }

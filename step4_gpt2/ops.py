@@ -50,7 +50,6 @@ from step4_gpt2.quantize import KIND_OF_DTYPE, LowpWeight
 CU = Path(__file__).resolve().parent / "gpt2.cu"
 # Compile-time constants of gpt2.cu, passed as defines (the .cu's own values only serve offline compiles).
 MAXB = 8                # batch rows per GEMV launch: each weight load is used for up to MAXB rows
-X_SMEM_MAX_K = 8192     # v5/v6/v7 at batch 1: the MAXB=1 module, x in shared memory, for rows up to 32 KB
 ROWS = 2                # output rows per warp (gemv_v3) / per block (gemv_v4)
 V4_WARPS = 4            # gemv_v4: warps sharing ROWS rows, splitting K
 V5_ROWS = 4             # gemv_v5: rows per block (a tile)
@@ -96,8 +95,7 @@ def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
 
 def defines(rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict:
     """gpt2.cu's defines; rows/unroll/maxb pick the module (v3/v4 use ROWS, v5 V5_ROWS; maxb: gemv_module)."""
-    return {"MAXB": maxb, "ROWS": rows, "V4_WARPS": V4_WARPS, "V5_UNROLL": unroll, "V5_MAXWARPS": V5_MAXWARPS,
-            "X_SMEM": int(x_smem(maxb))}
+    return {"MAXB": maxb, "ROWS": rows, "V4_WARPS": V4_WARPS, "V5_UNROLL": unroll, "V5_MAXWARPS": V5_MAXWARPS}
 
 
 def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB):
@@ -109,19 +107,11 @@ def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAX
 def gemv_module(B: int, K: int) -> int:
     """MAXB of the module a gemv_v5/v6/v7 call of B rows of K launches from: 1 at batch 1 (the decode of one
     sequence), MAXB otherwise. Compiled for MAXB rows, acc[ROWS][MAXB] and the batch loop hold registers that
-    a batch of 1 never uses (sm_90, int8: 165-173 per lane, 98-128 at MAXB 1), so fewer blocks are resident;
-    the MAXB=1 module also copies x into shared memory (x_smem) when no LayerNorm prologue does (a copy and a
-    barrier before the first FMA, instead of x's global loads inside the FMA loop; gemv_lowp.cu's header says
-    the trade). A row past X_SMEM_MAX_K floats keeps the MAXB module. Every GEMV
-    wrapper (gemv, gemv_qkv, v5 and the bf16/int8 v6/v7) picks its module here, once per call."""
-    return 1 if B == 1 and K <= X_SMEM_MAX_K else MAXB
-
-
-def x_smem(maxb: int) -> bool:
-    """Whether a v5/v6/v7 module stages x in shared memory without LN too (the X_SMEM define): at MAXB=1,
-    where it costs K floats per block; MAXB rows (8 x 6400 floats = 200 KB for GPT-2 XL's mlp_proj) would cut
-    the resident blocks instead."""
-    return maxb == 1
+    a batch of 1 never uses (sm_90, int8: 165-173 per lane, 121-128 at MAXB 1), so fewer blocks are resident.
+    Both modules read x the same way (shared memory only behind the LayerNorm prologue), so any K that the
+    MAXB module takes, the MAXB=1 module takes too. Every GEMV wrapper (gemv, gemv_qkv, v5 and the bf16/int8
+    v6/v7) picks its module here, once per call."""
+    return 1 if B == 1 else MAXB
 
 
 def _index_vector(a, name: str, n: int):
@@ -189,14 +179,14 @@ def _v34_launch(version: int, N: int):
 
 
 def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL,
-               per_load: int = 4, maxb: int = MAXB):
-    """(grid, block, shared bytes) of gemv_v5 kernel fn (from the module of this maxb): the fewest warps
-    (<= V5_MAXWARPS) whose lanes cover a row with `unroll` 16-byte loads (of `per_load` weights) each; one
-    block per `rows`-row tile, at most V5_BLOCKS_PER_SM per SM and no more than can be resident
-    (common.occupancy), after which blocks loop over tiles. gemv_v6/v7 launch the same way, with 8 or 16
-    weights per load. Shared memory: nb rows of x, where the kernel stages them (LN, or x_smem(maxb))."""
+               per_load: int = 4):
+    """(grid, block, shared bytes) of gemv_v5 kernel fn: the fewest warps (<= V5_MAXWARPS) whose lanes cover
+    a row with `unroll` 16-byte loads (of `per_load` weights) each; one block per `rows`-row tile, at most
+    V5_BLOCKS_PER_SM per SM and no more than can be resident (common.occupancy), after which blocks loop over
+    tiles. gemv_v6/v7 launch the same way, with 8 or 16 weights per load. Shared memory: the LayerNorm
+    prologue's nb normalised rows of x, none without it (whichever module fn comes from)."""
     warps = min(V5_MAXWARPS, max(1, -(-(K // per_load) // (32 * unroll))))
-    smem = nb * K * 4 if ln or x_smem(maxb) else 0
+    smem = nb * K * 4 if ln else 0
     blocks_per_sm = V5_BLOCKS_PER_SM
     if ln and nb > 2:      # every block re-reads and normalises all nb rows: amortise it over more tiles
         blocks_per_sm = min(blocks_per_sm, V5_LN_BLOCKS_PER_SM)
@@ -214,17 +204,16 @@ def _v5_rows_per_launch(fn, K: int, ln: bool, maxb: int = MAXB) -> int:
     """Batch rows per launch of gemv_v5 kernel fn (from the module of this maxb): maxb, or with the LayerNorm
     prologue (nb rows x K floats in shared memory) as many as this GPU's per-block opt-in limit holds next to
     fn's static shared memory (a T4's 64 KB: 3 rows of K=4100). GPT-2's decode (K=768, batch <= 8) always fits
-    in one launch. The MAXB=1 module's one row is at most X_SMEM_MAX_K floats (gemv_module)."""
+    in one launch; the MAXB=1 module (gemv_module: batch 1) launches its one row."""
     if not ln or maxb == 1:
         return maxb
     room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes
     return max(1, min(maxb, room // (4 * K)))
 
 
-def _v5_call(fn, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL, per_load=4, maxb=MAXB):
-    grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll, per_load, maxb)
-    what = "ln: the LayerNorm prologue's" if ln else "x: the staged"
-    allow_dynamic_smem(fn, smem, f"{what} {nb} row(s) x {K} floats in shared memory")
+def _v5_call(fn, N, K, nb, ln, args, rows=V5_ROWS, unroll=V5_UNROLL, per_load=4):
+    grid, block, smem = _v5_launch(fn, N, K, nb, ln, rows, unroll, per_load)
+    allow_dynamic_smem(fn, smem, f"ln: the LayerNorm prologue's {nb} row(s) x {K} floats in shared memory")
     _launch(fn, grid, block, args, smem)
 
 
@@ -282,7 +271,7 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
             nb = min(step, B - b0)
             _v5_call(fn, N, K, nb, ln is not None, (x[b0:b0 + nb], W, b_arg, y[b0:b0 + nb], np.int32(nb),
                                                     np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL,
-                                                    np.int32(0), np.int32(0)), rows, unroll, maxb=maxb)
+                                                    np.int32(0), np.int32(0)), rows, unroll)
         return y
     if version in (1, 2):
         if gelu:
@@ -335,8 +324,7 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
             nb = min(step, B - b0)
             _v5_call(fn, N, K, nb, ln is not None,
                      (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
-                      k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)),
-                     maxb=maxb)
+                      k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
         return q
     if ln is not None:
         raise ValueError(f"version: ln= needs version 5, got {version!r}")
@@ -353,7 +341,7 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
 def lowp_defines(rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict:
     """gemv_lowp.cu's defines: v5's constants (rows per tile, 16-byte loads per row a lane has in flight,
     batch rows per launch: gemv_module)."""
-    return {"MAXB": maxb, "ROWS": rows, "UNROLL": unroll, "MAXWARPS": V5_MAXWARPS, "X_SMEM": int(x_smem(maxb))}
+    return {"MAXB": maxb, "ROWS": rows, "UNROLL": unroll, "MAXWARPS": V5_MAXWARPS}
 
 
 def lowp_kernel(name: str, rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB):
@@ -433,7 +421,7 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
         _v5_call(fn, N, K, nb, ln is not None,
                  (x[b0:b0 + nb], W, *head, bias if bias is not None else NULL, y[b0:b0 + nb], np.int32(nb),
                   np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL, np.int32(0), np.int32(0)),
-                 rows, unroll, LOWP_PER_LOAD[kind], maxb)
+                 rows, unroll, LOWP_PER_LOAD[kind])
     return y
 
 
@@ -459,7 +447,7 @@ def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps
         _v5_call(fn, N, K, nb, ln is not None,
                  (x[b0:b0 + nb], W, *head, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
                   k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)),
-                 per_load=LOWP_PER_LOAD[kind], maxb=maxb)
+                 per_load=LOWP_PER_LOAD[kind])
     return q
 
 

@@ -52,7 +52,7 @@ def launch_shape(kind: str, N: int, K: int, B: int, fusion: str, rows: int, unro
     ln = "ln" in fusion
     maxb = ops.gemv_module(B, K)                           # the module ops.gemv launches from
     fn = ops.lowp_kernel(f"gemv_v{ops.LOWP_VERSION[kind]}<{epi}, {'true' if ln else 'false'}>", rows, unroll, maxb)
-    grid, block, _ = ops._v5_launch(fn, N, K, min(B, maxb), ln, rows, unroll, ops.LOWP_PER_LOAD[kind], maxb)
+    grid, block, _ = ops._v5_launch(fn, N, K, min(B, maxb), ln, rows, unroll, ops.LOWP_PER_LOAD[kind])
     return f"{fn.num_regs} regs, {block[0] // 32} warps x {grid[0]} blocks"
 
 

@@ -384,7 +384,7 @@ def test_every_kernel_the_wrappers_name_is_in_gpt2_cu():
 def test_gpt2_cu_compiles_every_name_the_wrappers_launch(maxb):
     """NVRTC, as CuPy runs it on the GPU: each template instantiation ops.py names is compiled through its
     name expression, with the V5_ROWS defines, without spills (tests/test_compile.py compiles the ROWS ones),
-    for MAXB 8 and the batch-1 module's MAXB 1 (ops.gemv_module: gemv_v5 with x staged in shared memory)."""
+    for MAXB 8 and the batch-1 module's MAXB 1 (ops.gemv_module)."""
     pytest.importorskip("cupy")
     from common import kernels as K
     from step4_gpt2 import ops
