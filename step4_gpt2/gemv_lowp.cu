@@ -54,7 +54,7 @@
 //
 // Batch 1 (ops.gemv_module): a decode step at batch 1 launches a module compiled with MAXB=1, batches of 2
 // and more the MAXB=8 one. At MAXB=8, acc[ROWS][MAXB] and the unrolled batch loop hold registers a batch of
-// 1 never uses (sm_90, int8: 165-173 per lane, 121-128 at MAXB=1), so fewer blocks are resident and a large
+// 1 never uses (sm_90, int8: 165-173 per lane, 102-128 at MAXB=1), so fewer blocks are resident and a large
 // matrix takes more rounds of tiles. x is read the same way in both: from shared memory behind the LayerNorm
 // prologue, else with __ldg inside the FMA loop. Copying x to shared memory without LN too would delay every
 // block's first FMA until the whole row has arrived, and was not faster. Each sum adds the same products in
@@ -189,7 +189,10 @@ __device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const voi
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int k = base + threadIdx.x + u * blockDim.x;
-                if (k >= KV) break;
+                if (k >= KV) {              // MAXB 1: continue, so u's x loads can issue before u-1's FMAs
+                    if (MAXB == 1) continue; // (at MAXB 8 that costs registers: break)
+                    break;
+                }
 #pragma unroll
                 for (int j = 0; j < G; ++j) {
                     float4 wf[ROWS];                          // widened once, used for every batch row
@@ -198,7 +201,7 @@ __device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const voi
                     const long long kx = (long long)k * G + j;
 #pragma unroll
                     for (int b = 0; b < MAXB; ++b) {
-                        if (b < B) {
+                        if (MAXB == 1 || b < B) {            // MAXB 1: no branch between x's loads
                             const float4 xv = LN ? xs4[b * K4 + kx] : __ldg(x4 + (long long)b * K4 + kx);
 #pragma unroll
                             for (int r = 0; r < ROWS; ++r) acc[r][b] += dot4(wf[r], xv);

@@ -35,6 +35,8 @@
 //                       in the same order.
 //   argmax_v1           greedy choice per row (first index on ties, like torch.argmax), and optionally
 //                       advance each sequence's position, all on the device.
+//   argmax_v2           the same with ARGMAX_BATCH 16-byte loads in flight per thread (v1 waits for one
+//                       4-byte load at a time): the one the decode step launches.
 //   advance_v1          pos += 1, lens += 1 (after a token was sampled outside the graph).
 //
 // Programmatic dependent launch (common/include/pdl.cuh): every kernel a decode step launches calls
@@ -64,6 +66,9 @@
 #endif
 #ifndef V5_MAXWARPS
 #define V5_MAXWARPS 8
+#endif
+#ifndef ARGMAX_BATCH
+#define ARGMAX_BATCH 4
 #endif
 
 // ------------------------------------------------------------------------------------------ embedding
@@ -391,10 +396,13 @@ gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* _
 #pragma unroll
             for (int u = 0; u < V5_UNROLL; ++u) {
                 const int k = base + threadIdx.x + u * blockDim.x;
-                if (k >= K4) break;
+                if (k >= K4) {              // MAXB 1: continue, so u's x loads can issue before u-1's FMAs
+                    if (MAXB == 1) continue; // (at MAXB 8 that costs registers: break)
+                    break;
+                }
 #pragma unroll
                 for (int b = 0; b < MAXB; ++b) {
-                    if (b < B) {
+                    if (MAXB == 1 || b < B) {            // MAXB 1: no branch between x's loads
                         const float4 xv = LN ? xs4[(long long)b * K4 + k] : __ldg(x4 + (long long)b * K4 + k);
 #pragma unroll
                         for (int r = 0; r < ROWS; ++r) acc[r][b] += dot4(w[r][u], xv);
@@ -431,17 +439,13 @@ __device__ __forceinline__ void better(float& v, int& i, float v2, int i2) {
     if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
 }
 
-extern "C" __global__ void argmax_v1(const float* __restrict__ logits, int V, int* __restrict__ tokens,
-                                     int* __restrict__ pos, int* __restrict__ lens, int advance) {
+// The block's (value, index) pairs to one, then tokens[b] (and the position update). v1 and v2 differ only in
+// how a thread reads its slice of the row.
+__device__ __forceinline__ void argmax_finish(float v, int idx, int V, int b, int* __restrict__ tokens,
+                                              int* __restrict__ pos, int* __restrict__ lens, int advance) {
     __shared__ float sv[32];
     __shared__ int si[32];
-    const int b = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    pdl_wait();                  // the logits are the LM head's
-    pdl_launch_dependents();
-    const float* row = logits + (long long)b * V;
-    float v = __int_as_float(0xff800000);   // -inf
-    int idx = 0x7fffffff;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) better(v, idx, row[j], j);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
         better(v, idx, __shfl_xor_sync(FULL_MASK, v, off), __shfl_xor_sync(FULL_MASK, idx, off));
@@ -459,6 +463,54 @@ extern "C" __global__ void argmax_v1(const float* __restrict__ logits, int V, in
             if (advance) { pos[b] += 1; lens[b] += 1; }
         }
     }
+}
+
+extern "C" __global__ void argmax_v1(const float* __restrict__ logits, int V, int* __restrict__ tokens,
+                                     int* __restrict__ pos, int* __restrict__ lens, int advance) {
+    const int b = blockIdx.x;
+    pdl_wait();                  // the logits are the LM head's
+    pdl_launch_dependents();
+    const float* row = logits + (long long)b * V;
+    float v = __int_as_float(0xff800000);   // -inf
+    int idx = 0x7fffffff;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) better(v, idx, row[j], j);
+    argmax_finish(v, idx, V, b, tokens, pos, lens, advance);
+}
+
+// v2: v1's loop waits for one 4-byte load at a time, V / blockDim L2 round trips in a row (the logits were
+// just written). Here a thread has ARGMAX_BATCH 16-byte loads in flight. A row is 16-byte aligned only where
+// b * V is a multiple of 4, so the elements before the first aligned one, and the tail, are read one by one.
+// The pairs are compared by (value, then smaller index): the order they are visited in does not matter.
+extern "C" __global__ void argmax_v2(const float* __restrict__ logits, int V, int* __restrict__ tokens,
+                                     int* __restrict__ pos, int* __restrict__ lens, int advance) {
+    const int b = blockIdx.x;
+    pdl_wait();
+    pdl_launch_dependents();
+    const float* row = logits + (long long)b * V;
+    const int head = min(V, (int)(((16 - (reinterpret_cast<unsigned long long>(row) & 15)) & 15) / 4));
+    const int n4 = (V - head) / 4;
+    const float4* r4 = reinterpret_cast<const float4*>(row + head);
+    float v = __int_as_float(0xff800000);
+    int idx = 0x7fffffff;
+    if ((int)threadIdx.x < head) better(v, idx, row[threadIdx.x], threadIdx.x);
+    for (int j0 = threadIdx.x; j0 < n4; j0 += blockDim.x * ARGMAX_BATCH) {
+        float4 q[ARGMAX_BATCH];
+#pragma unroll
+        for (int i = 0; i < ARGMAX_BATCH; ++i)
+            if (j0 + i * (int)blockDim.x < n4) q[i] = r4[j0 + i * blockDim.x];
+#pragma unroll
+        for (int i = 0; i < ARGMAX_BATCH; ++i) {
+            const int j = j0 + i * blockDim.x, e = head + 4 * j;
+            if (j < n4) {
+                better(v, idx, q[i].x, e);
+                better(v, idx, q[i].y, e + 1);
+                better(v, idx, q[i].z, e + 2);
+                better(v, idx, q[i].w, e + 3);
+            }
+        }
+    }
+    for (int j = head + 4 * n4 + threadIdx.x; j < V; j += blockDim.x) better(v, idx, row[j], j);
+    argmax_finish(v, idx, V, b, tokens, pos, lens, advance);
 }
 
 extern "C" __global__ void advance_v1(int* __restrict__ pos, int* __restrict__ lens, int B) {

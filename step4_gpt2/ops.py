@@ -58,6 +58,7 @@ V5_MAXWARPS = 8         # gemv_v5: at most 8 warps (256 threads) per block, its 
 GEMV_THREADS = 128      # gemv_v3: 4 warps, each its own ROWS rows
 V5_BLOCKS_PER_SM = 16   # gemv_v5: grid cap; bigger matrices (the LM head) loop over row tiles
 V5_LN_BLOCKS_PER_SM = 4  # ... with a LayerNorm prologue over > 2 rows: fewer blocks, each normalising once
+ARGMAX_BATCH = 4        # argmax_v2: 16-byte loads in flight per thread
 GEMV_VERSIONS = (1, 2, 3, 4, 5)   # fp32 weights (gpt2.cu)
 GEMV_LOWP_VERSIONS = (6, 7)       # bf16 and int8 weights (gemv_lowp.cu): v5's design, fewer bytes per weight
 LOWP_VERSION = {"bf16": 6, "int8": 7}
@@ -95,7 +96,8 @@ def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
 
 def defines(rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict:
     """gpt2.cu's defines; rows/unroll/maxb pick the module (v3/v4 use ROWS, v5 V5_ROWS; maxb: gemv_module)."""
-    return {"MAXB": maxb, "ROWS": rows, "V4_WARPS": V4_WARPS, "V5_UNROLL": unroll, "V5_MAXWARPS": V5_MAXWARPS}
+    return {"MAXB": maxb, "ROWS": rows, "V4_WARPS": V4_WARPS, "V5_UNROLL": unroll, "V5_MAXWARPS": V5_MAXWARPS,
+            "ARGMAX_BATCH": ARGMAX_BATCH}
 
 
 def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB):
@@ -107,7 +109,7 @@ def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAX
 def gemv_module(B: int, K: int) -> int:
     """MAXB of the module a gemv_v5/v6/v7 call of B rows of K launches from: 1 at batch 1 (the decode of one
     sequence), MAXB otherwise. Compiled for MAXB rows, acc[ROWS][MAXB] and the batch loop hold registers that
-    a batch of 1 never uses (sm_90, int8: 165-173 per lane, 121-128 at MAXB 1), so fewer blocks are resident.
+    a batch of 1 never uses (sm_90, int8: 165-173 per lane, 102-128 at MAXB 1), so fewer blocks are resident.
     Both modules read x the same way (shared memory only behind the LayerNorm prologue), so any K that the
     MAXB module takes, the MAXB=1 module takes too. Every GEMV wrapper (gemv, gemv_qkv, v5 and the bf16/int8
     v6/v7) picks its module here, once per call."""
@@ -502,7 +504,7 @@ def argmax(logits, tokens, pos=None, lens=None):
     if adv:
         _index_vector(pos, "pos", B)
         _index_vector(lens, "lens", B)
-    _launch(kernel("argmax_v1"), (B,), (1024,), (logits, np.int32(V), tokens, pos if adv else tokens,
+    _launch(kernel("argmax_v2"), (B,), (1024,), (logits, np.int32(V), tokens, pos if adv else tokens,
                                                  lens if adv else tokens, np.int32(adv)))
     return tokens
 
@@ -519,7 +521,7 @@ def advance(pos, lens):
 # Every kernel name the wrappers above can ask gpt2.cu for (a CPU test compiles each one offline).
 KERNEL_NAMES = (
     "embedding_v1", "embedding_v2", "bias_gelu_v1", "bias_gelu_v2", "kv_cache_fill_v1", "gemv_v1", "gemv_v2",
-    "argmax_v1", "advance_v1",
+    "argmax_v1", "argmax_v2", "advance_v1",
     *(f"gemv_v{v}<{e}>" for v in (3, 4) for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_QKV")),
     *(f"gemv_v5<{e}, {ln}>" for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_RESID", "EPI_QKV")
       for ln in ("false", "true")))

@@ -247,6 +247,7 @@ DECODE_KERNELS = {
                            "gemv_v4": ("x", "x4", "y", "k_cache", "v_cache", "pos"),
                            "gemv_v5": ("x", "x4", "y", "k_cache", "v_cache", "pos", "xs4"),
                            "argmax_v1": ("logits", "tokens", "pos", "lens", "row"),
+                           "argmax_v2": ("logits", "tokens", "pos", "lens", "row", "r4"),
                            "advance_v1": ("pos", "lens")},
     "step4_gpt2/gemv_lowp.cu": {"gemv_lowp": ("x", "x4", "y", "k_cache", "v_cache", "pos", "xs4")},
 }

@@ -666,6 +666,33 @@ def test_small_kernels(cp):
     assert pp.get().tolist() == [5, 1, 10] and ll.get().tolist() == [6, 2, 11]
 
 
+
+@gpu
+@pytest.mark.parametrize("V", [1, 3, 4, 5, 1023, 4099, 50257])
+def test_argmax_v2_matches_v1_and_numpy(cp, V):
+    """argmax_v2 (16-byte loads, ops.argmax) against v1 and numpy's first-index argmax: B = 5 rows of an odd V
+    start at every 16-byte offset; ties (a later equal maximum), a -inf row, NaNs (skipped, as in v1: they never
+    compare greater), a maximum in the unaligned head and in the tail. A view at a 4-byte offset too."""
+    from step4_gpt2 import ops
+    B = 5
+    base = cp.asarray(rand(B, V + 1, seed=V, low=-4, high=4))
+    for logits in (base[:, :V].copy(), base.ravel()[1:1 + B * V].reshape(B, V)):
+        if V > 2:
+            logits[0, V - 1] = 9.0                   # the maximum in the tail
+            logits[1, 0] = 9.0                       # ... in the unaligned head, with a tie later
+            logits[1, V - 2] = 9.0
+            logits[3, V // 2] = cp.nan
+        logits[2] = -cp.inf                          # every value -inf: index 0, as numpy
+        want = np.nan_to_num(logits.get(), nan=-np.inf).argmax(axis=1)
+        got = {}
+        for name in ("argmax_v1", "argmax_v2"):
+            tok = cp.full(B, -1, cp.int32)
+            ops.kernel(name)((B,), (1024,), (logits, np.int32(V), tok, tok, tok, np.int32(0)))
+            got[name] = tok.get().tolist()
+        assert got["argmax_v1"] == want.tolist() and got["argmax_v2"] == want.tolist(), (got, want.tolist())
+        tok = cp.full(B, -1, cp.int32)
+        assert ops.argmax(logits, tok).get().tolist() == want.tolist()
+
 def _hf_logits(hf, idx):
     import torch
     with torch.no_grad():
