@@ -1,5 +1,8 @@
 // lowp.cuh - bf16 and int8 weights widened to float in registers: the one place the course does it
-// (step4_gpt2/gemv_lowp.cu's GEMVs and the megakernel's GEMV tiles both read their weights through it).
+// (step4_gpt2/gemv_lowp.cu's GEMVs and the megakernel's GEMV tiles both read their weights through it); and the
+// way back, fp32 rounded to bf16 bits, which every kernel of mixed-precision training that writes bf16 shares
+// (step4_gpt2/train: mixed.cu's casts, train_gpt2.cu's LayerNorm and GELU backward, attention_bf16.cu's dqkv), so
+// that a value fused into the kernel that makes it gets the bits a separate cast would have given it.
 //
 // A weight is stored in fewer bytes and computed with in fp32: the load brings 8 (bf16) or 16 (int8) weights in
 // 16 bytes, and each is widened after the load, where it costs instructions but no bandwidth. The widening must
@@ -35,3 +38,22 @@ __device__ __forceinline__ float4 i8x4_to_float4(unsigned a) {
                        __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7542)) - I8_OFFSET,
                        __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7543)) - I8_OFFSET);
 }
+
+// fp32 -> bf16 bits, round to nearest even: add 0x7fff plus the lowest kept bit, keep the top 16 bits. A NaN
+// would round into the sign bit or to infinity: it is made the quiet NaN instead. Integer work only, so it
+// compiles for every architecture the course supports (cvt.rn.bf16x2.f32 needs sm_80).
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+    const unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0;
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Two or four bf16 bit patterns in one 4- or 8-byte store, the earlier column in the low half (bf16x4_to_float4's
+// order, and the memory order of a uint16 array on a little-endian GPU).
+__device__ __forceinline__ unsigned bf16x2_bits(float lo, float hi) {
+    return bf16_bits(lo) | ((unsigned)bf16_bits(hi) << 16);
+}
+__device__ __forceinline__ uint2 bf16x4_bits(float a, float b, float c, float d) {
+    return make_uint2(bf16x2_bits(a, b), bf16x2_bits(c, d));
+}
+__device__ __forceinline__ uint2 bf16x4_bits(float4 v) { return bf16x4_bits(v.x, v.y, v.z, v.w); }

@@ -20,18 +20,23 @@
 //                           its first key: S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T,
 //                           dS^T = P^T (dP^T - delta), dK += dS^T Q. Every product is one of the forward's shapes.
 //   attention_dq_bf16       a warp owns 16 queries: recomputes S and dP over the key tiles, dQ += dS K.
+//   dqkv16                  both write their part of dqkv in fp32 and, for mixed.py's qkv GEMMs, in bf16 from the
+//                           same registers: the bits a cast would give, without reading dqkv back.
 // Recompute or store? attention_tc.cu writes dS to memory once for its dQ kernel; at one mma per product, the
 // two products dq recomputes cost less than the round trip of dS through DRAM, and the kernels stay simpler.
 // Each output row has one owner: no atomics, the same bits every run.
 //
 // Layouts (mixed.py): qkv (B, T, 3C) bf16 with its bias already added (the cast after the qkv GEMM adds it);
-// out and dout (B, T, C) bf16; lse and delta (B, H, T) fp32, lse in natural log; dqkv (B, T, 3C) fp32 (the
-// bias gradient and the GEMMs read it). bf16 is stored as uint16 bit patterns. Shared rows are D + 8 elements
+// out and dout (B, T, C) bf16; lse and delta (B, H, T) fp32, lse in natural log; dqkv (B, T, 3C) fp32, which the
+// bias gradient sums, and optionally dqkv16, its bf16 bits for the two qkv GEMMs (common/include/lowp.cuh's
+// bf16_bits, a separate cast's bits), written from the same registers rather than by a cast that reads dqkv
+// back. bf16 is stored as uint16 bit patterns. Shared rows are D + 8 elements
 // long: the 8 row addresses of each ldmatrix then fall in 8 different banks.
 //
 // Architectures: bf16 mma needs sm_80. Compiled for older GPUs the kernels trap; ops_bf16.py refuses those GPUs
 // with a message before launching. Compile-time knob: HEAD_DIM (32 or 64; default 64).
 #include "mma.cuh"          // mma16816, smem_addr, copy16 / copy_commit / copy_wait (cp.async)
+#include "lowp.cuh"         // bf16x2_bits: dqkv16's rounding, the same as mixed.cu's casts
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -70,6 +75,12 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 }
 
 __device__ __forceinline__ void zero(float (&d)[4]) { d[0] = d[1] = d[2] = d[3] = 0.0f; }
+
+// Two neighbouring columns of dqkv at element i, and their bf16 bits at the same place of dqkv16 when asked for.
+__device__ __forceinline__ void store_pair(float* __restrict__ f, u16* __restrict__ h, long long i, float lo, float hi) {
+    *reinterpret_cast<float2*>(f + i) = make_float2(lo, hi);
+    if (h) *reinterpret_cast<unsigned*>(h + i) = bf16x2_bits(lo, hi);
+}
 
 // rows [r0, r0 + R) of a (T, D) slice whose rows are `stride` elements apart, into shared memory; zeros past T
 template <int R>
@@ -254,10 +265,12 @@ extern "C" __global__ void attention_delta_bf16(const u16* __restrict__ dout, co
 }
 
 // ---------------------------------------------------------------------------------------------------- dK, dV
-// grid (ceil(T / 64), B * H), NT threads. Writes dK and dV of the block's 64 keys into dqkv (fp32).
+// grid (ceil(T / 64), B * H), NT threads. Writes dK and dV of the block's 64 keys into dqkv (fp32), and into
+// dqkv16 (bf16) unless it is null.
 extern "C" __global__ void __launch_bounds__(NT)
 attention_dkv_bf16(const u16* __restrict__ qkv, const u16* __restrict__ dout, const float* __restrict__ lse,
-                   const float* __restrict__ delta, float* __restrict__ dqkv, int T, int H, float scale) {
+                   const float* __restrict__ delta, float* __restrict__ dqkv, u16* __restrict__ dqkv16, int T, int H,
+                   float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) u16 ks[ROWS * SROW];
     __shared__ __align__(16) u16 vs[ROWS * SROW];
@@ -316,18 +329,17 @@ attention_dkv_bf16(const u16* __restrict__ qkv, const u16* __restrict__ dout, co
         product_acc<BT>(dv, s, dos, lane);       // dV += P^T dO
         product_acc<BT>(dk, dp, qs, lane);       // dK += dS^T Q (times scale below)
     }
-    float* dkp = dqkv + (long long)b * T * stride + C + h * D;
-    float* dvp = dkp + C;
+    const long long dk0 = (long long)b * T * stride + C + h * D, dv0 = dk0 + C;   // dK, dV of key 0, column 0
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
         const int c = n * 8 + 2 * t;
         if (key_a < T) {
-            *reinterpret_cast<float2*>(dkp + key_a * stride + c) = make_float2(dk[n][0] * scale, dk[n][1] * scale);
-            *reinterpret_cast<float2*>(dvp + key_a * stride + c) = make_float2(dv[n][0], dv[n][1]);
+            store_pair(dqkv, dqkv16, dk0 + key_a * stride + c, dk[n][0] * scale, dk[n][1] * scale);
+            store_pair(dqkv, dqkv16, dv0 + key_a * stride + c, dv[n][0], dv[n][1]);
         }
         if (key_b < T) {
-            *reinterpret_cast<float2*>(dkp + key_b * stride + c) = make_float2(dk[n][2] * scale, dk[n][3] * scale);
-            *reinterpret_cast<float2*>(dvp + key_b * stride + c) = make_float2(dv[n][2], dv[n][3]);
+            store_pair(dqkv, dqkv16, dk0 + key_b * stride + c, dk[n][2] * scale, dk[n][3] * scale);
+            store_pair(dqkv, dqkv16, dv0 + key_b * stride + c, dv[n][2], dv[n][3]);
         }
     }
 #else
@@ -336,10 +348,12 @@ attention_dkv_bf16(const u16* __restrict__ qkv, const u16* __restrict__ dout, co
 }
 
 // ---------------------------------------------------------------------------------------------------- dQ
-// grid (ceil(T / 64), B * H), NT threads. Writes dQ of the block's 64 queries into dqkv (fp32).
+// grid (ceil(T / 64), B * H), NT threads. Writes dQ of the block's 64 queries into dqkv (fp32), and into dqkv16
+// (bf16) unless it is null.
 extern "C" __global__ void __launch_bounds__(NT)
 attention_dq_bf16(const u16* __restrict__ qkv, const u16* __restrict__ dout, const float* __restrict__ lse,
-                  const float* __restrict__ delta, float* __restrict__ dqkv, int T, int H, float scale) {
+                  const float* __restrict__ delta, float* __restrict__ dqkv, u16* __restrict__ dqkv16, int T, int H,
+                  float scale) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) u16 qs[ROWS * SROW];
     __shared__ __align__(16) u16 dos[ROWS * SROW];
@@ -394,12 +408,16 @@ attention_dq_bf16(const u16* __restrict__ qkv, const u16* __restrict__ dout, con
         }
         product_acc<BT>(dq, dp, ks, lane);       // dQ += dS K (times scale below)
     }
-    float* dqp = dqkv + (long long)b * T * stride + h * D;
+    // Row by row: column by column (as dkv's epilogue), the bf16 stores made this kernel spill on sm_90.
+    const long long dq0 = (long long)b * T * stride + h * D;      // dQ of query 0, column 0
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        const int c = n * 8 + 2 * t;
-        if (row_a < T) *reinterpret_cast<float2*>(dqp + row_a * stride + c) = make_float2(dq[n][0] * scale, dq[n][1] * scale);
-        if (row_b < T) *reinterpret_cast<float2*>(dqp + row_b * stride + c) = make_float2(dq[n][2] * scale, dq[n][3] * scale);
+    for (int r = 0; r < 2; ++r) {
+        const int row = r ? row_b : row_a;
+        if (row >= T) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            store_pair(dqkv, dqkv16, dq0 + row * stride + n * 8 + 2 * t, dq[n][2 * r] * scale,
+                       dq[n][2 * r + 1] * scale);
     }
 #else
     __trap();   // bf16 mma needs sm_80: ops_bf16.py refuses older GPUs before launching

@@ -2,36 +2,30 @@
 //
 // A bf16 GEMM reads bf16 operands; everything else of the step (LayerNorm, GELU, the loss, AdamW) computes in
 // fp32. These kernels are where the two meet, one idea more each:
-//   to_bf16         y = bf16(x): the weights' bf16 copy (one launch over the flat parameter buffer), and the
-//                   gradients a GEMM reads next. Round to nearest even (flash.to_bf16's bits); a NaN stays NaN.
+//   to_bf16         y = bf16(x): the weights' bf16 copy, one launch for wte (into the LM head's padded copy)
+//                   and one over the rest of the flat parameter buffer. Round to nearest even (flash.to_bf16's
+//                   bits); a NaN stays NaN.
 //   bias_to_bf16    y = bf16(x + bias[column]): the qkv GEMM's fp32 output with its bias, as the attention reads it.
 //   gelu_bias_bf16  y = bf16(gelu(x + bias[column])): the GELU in fp32, its output stored for the next GEMM
 //                   in half the bytes (and, with recomputation, made again in the backward from x).
 //   classifier_bf16 step 3's fused classifier (softmax + cross-entropy + gradient, one block per row) with the
 //                   gradient written in bf16 to a buffer of its own: the two LM-head GEMMs after it read bf16,
 //                   and an fp32 gradient would cost a write and a cast of the step's largest tensor.
+// The other activations and gradients a GEMM reads need no cast: the kernels that make them write bf16
+// themselves (train_gpt2.cu's LayerNorm forward and backward and GELU backward, attention_bf16.cu's backward),
+// where a cast would read 4 bytes and write 2 for each value its producer had just written in 4. All of them
+// round with common/include/lowp.cuh's bf16_bits, so a fused output has the bits to_bf16 would give it.
 // Grid-stride loops over n elements (common.launch_grid); every architecture (bit operations only).
 // Each thread casts four neighbours at a time (one 16-byte load of x, one 8-byte store of four bf16) where x and y
 // are aligned for it, and one at a time otherwise: these kernels only stream, and with a 4-byte load and a 2-byte
 // store per thread they moved less than a third of the DRAM's bandwidth in a GPT-2 124M step (Nsight Compute).
 #include "course.cuh"       // gelu_tanh: the same formula as train_gpt2.cu's fp32 GELU
+#include "lowp.cuh"         // bf16_bits, bf16x4_bits: the rounding every bf16 output of the step shares
 
 typedef unsigned short u16;
 
-// fp32 -> bf16 bits, round to nearest even: add 0x7fff plus the lowest kept bit, keep the top 16 bits. A NaN
-// would round into the sign bit or to infinity: it is made the quiet NaN instead.
-__device__ __forceinline__ u16 bf16_bits(float x) {
-    const unsigned u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)0x7fc0;
-    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 __device__ __forceinline__ bool vec4(const void* x, const void* y) {
     return ((reinterpret_cast<unsigned long long>(x) & 15) | (reinterpret_cast<unsigned long long>(y) & 7)) == 0;
-}
-
-__device__ __forceinline__ uint2 pack4(u16 a, u16 b, u16 c, u16 d) {
-    return make_uint2(a | ((unsigned)b << 16), c | ((unsigned)d << 16));
 }
 
 #define GRID_STRIDE const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x, \
@@ -42,7 +36,7 @@ extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict_
     const long long n4 = vec4(x, y) ? n / 4 : 0;
     for (long long v = tid; v < n4; v += stride) {
         const float4 a = reinterpret_cast<const float4*>(x)[v];
-        reinterpret_cast<uint2*>(y)[v] = pack4(bf16_bits(a.x), bf16_bits(a.y), bf16_bits(a.z), bf16_bits(a.w));
+        reinterpret_cast<uint2*>(y)[v] = bf16x4_bits(a);
     }
     for (long long i = 4 * n4 + tid; i < n; i += stride)
         y[i] = bf16_bits(x[i]);
@@ -58,8 +52,7 @@ extern "C" __global__ void bias_to_bf16(const float* __restrict__ x, const float
     for (long long v = tid; v < n4; v += stride) {
         const float4 a = reinterpret_cast<const float4*>(x)[v];
         const int c0 = (int)(4 * v % cols), c1 = next_col(c0, cols), c2 = next_col(c1, cols), c3 = next_col(c2, cols);
-        reinterpret_cast<uint2*>(y)[v] = pack4(bf16_bits(a.x + bias[c0]), bf16_bits(a.y + bias[c1]),
-                                               bf16_bits(a.z + bias[c2]), bf16_bits(a.w + bias[c3]));
+        reinterpret_cast<uint2*>(y)[v] = bf16x4_bits(a.x + bias[c0], a.y + bias[c1], a.z + bias[c2], a.w + bias[c3]);
     }
     for (long long i = 4 * n4 + tid; i < n; i += stride)
         y[i] = bf16_bits(x[i] + bias[i % cols]);
@@ -72,10 +65,8 @@ extern "C" __global__ void gelu_bias_bf16(const float* __restrict__ x, const flo
     for (long long v = tid; v < n4; v += stride) {
         const float4 a = reinterpret_cast<const float4*>(x)[v];
         const int c0 = (int)(4 * v % cols), c1 = next_col(c0, cols), c2 = next_col(c1, cols), c3 = next_col(c2, cols);
-        reinterpret_cast<uint2*>(y)[v] = pack4(bf16_bits(gelu_tanh(a.x + bias[c0])),
-                                               bf16_bits(gelu_tanh(a.y + bias[c1])),
-                                               bf16_bits(gelu_tanh(a.z + bias[c2])),
-                                               bf16_bits(gelu_tanh(a.w + bias[c3])));
+        reinterpret_cast<uint2*>(y)[v] = bf16x4_bits(gelu_tanh(a.x + bias[c0]), gelu_tanh(a.y + bias[c1]),
+                                                     gelu_tanh(a.z + bias[c2]), gelu_tanh(a.w + bias[c3]));
     }
     for (long long i = 4 * n4 + tid; i < n; i += stride)
         y[i] = bf16_bits(gelu_tanh(x[i] + bias[i % cols]));

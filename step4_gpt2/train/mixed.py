@@ -7,8 +7,8 @@
 
 What changes against model.py's fp32 TrainGPT, and what does not:
   * The parameters stay fp32 (the master weights, in the flat buffer AdamW updates); every forward first makes
-    their bf16 copy, one cast over the whole flat buffer (ops_bf16.to_bf16), and the LM head's padded copy of
-    wte (head16, padded_vocab).
+    their bf16 copy: the LM head's padded copy of wte (head16, padded_vocab), and one cast over the rest of the
+    flat buffer (ops_bf16.to_bf16; wte comes first in it, and its bf16 rows are head16's).
   * Every GEMM multiplies bf16 on the tensor cores and accumulates in fp32 (cuBLAS, ops_bf16.gemm_bf16); the
     attention forward and backward run on bf16 tensor cores (attention_bf16.cu, sm_80+). The activations a GEMM
     reads are stored in bf16 (LayerNorm outputs, qkv, the attention output, the GELU output): half the bytes.
@@ -16,6 +16,12 @@ What changes against model.py's fp32 TrainGPT, and what does not:
     residual stream, the MLP pre-activation and the gradients they read stay fp32; the two gradients only a GEMM
     reads, dlogits and the attention's dO, are written in bf16); weight gradients land in fp32 in the same flat
     grads buffer, so the gradient norm, clipping and AdamW are unchanged.
+  * Where an fp32 kernel's output goes to a GEMM, that kernel writes the bf16 copy itself (ops.py's out16, dpre16,
+    dx16, ops_bf16.attention_backward_bf16's dqkv16), rounded as ops_bf16.to_bf16 rounds: no cast kernel reads
+    the fp32 value back, and the bits are the same. The LayerNorm outputs and the GELU's input gradient exist
+    only in bf16; the residual stream's gradient and dqkv are written in both, the fp32 values for the bias sums
+    and the LayerNorm backward that adds into dres. Still cast after they are written: the weights (to_bf16) and
+    the qkv GEMM's fp32 output (bias_to_bf16, which adds the bias as it casts).
 
 No loss scaling. fp16 training multiplies the loss by a large factor (and divides the gradients back) because
 fp16 has 5 exponent bits: gradients below about 6e-8 flush to zero. bf16 has fp32's 8 exponent bits, the same
@@ -68,7 +74,7 @@ def _buffers(cfg: GPTConfig, B: int, T: int, recompute: bool) -> dict:
         "qkv": (L, (B, T, 3 * C), BF16), "atty": (L, (B, T, C), BF16), "lse": (L, (B, H, T), F32),
         "pre": (L, (N, 4 * C), F32),                                          # GELU's input, fp32
         "h": (kept, (N, 4 * C), BF16),
-        "lnf": (0, (N, C), BF16), "ln32": (0, (N, C), F32),                   # an fp32 LayerNorm output, cast next
+        "lnf": (0, (N, C), BF16),
         "tmp": (0, (N, C), F32), "f3": (0, (N, 3 * C), F32),
         "dres": (0, (N, C), F32), "dln": (0, (N, C), F32), "dh": (0, (N, 4 * C), F32),
         "dres16m": (0, (N, C), BF16), "dres16a": (0, (N, C), BF16), "dh16": (0, (N, 4 * C), BF16),   # for the GEMMs
@@ -127,13 +133,16 @@ class MixedGPT(TrainGPT):
                              f"supports {bf.HEAD_DIMS}")
         super().__init__(config, params, seed)
         self.precision, self.recompute = precision, bool(recompute)
-        self.flat16 = cp.empty(self.flat.size, cp.uint16)       # the bf16 copy, remade every forward
         V, C = config.vocab_size, config.n_embd                   # the LM head's: wte's rows, then zeros
         self.head16 = cp.zeros((padded_vocab(V), C), cp.uint16)
-        self.params16, off = {}, 0
-        for k, s in self.shapes.items():
-            n = int(np.prod(s))
-            self.params16[k] = self.flat16[off:off + n].reshape(s)
+        names = list(self.shapes)
+        if names[0] != "wte.weight":
+            raise RuntimeError("MixedGPT: expected wte first in the flat buffer (weights.expected_shapes' order)")
+        self.flat16 = cp.empty(self.flat.size - V * C, cp.uint16)   # the rest's bf16 copy, remade every forward
+        self.params16, off = {"wte.weight": self.head16[:V]}, 0     # wte's bf16 copy is the LM head's, once
+        for k in names[1:]:
+            n = int(np.prod(self.shapes[k]))
+            self.params16[k] = self.flat16[off:off + n].reshape(self.shapes[k])
             off += n
 
     def _activations(self, B: int, T: int) -> _MixedActivations:
@@ -143,11 +152,11 @@ class MixedGPT(TrainGPT):
             self._acts[(B, T)] = _MixedActivations(self.config, B, T, self.recompute)
         return self._acts[(B, T)]
 
-    def _ln(self, x, w, b, out16, a, mean, rstd, y=None, ybias=None, resid=None):
-        """A LayerNorm in fp32 (train_gpt2.cu's kernel, into a.ln32), then its bf16 copy for the next GEMM."""
-        ops.layernorm_forward(x, w, b, self.config.eps, y=y, ybias=ybias, resid=resid, out=a.ln32, mean=mean,
+    def _ln(self, x, w, b, out16, mean, rstd, y=None, ybias=None, resid=None):
+        """A LayerNorm in fp32 (train_gpt2.cu's kernel) that writes its output in bf16 only, for the next GEMM."""
+        ops.layernorm_forward(x, w, b, self.config.eps, y=y, ybias=ybias, resid=resid, out16=out16, mean=mean,
                               rstd=rstd)
-        return bf.to_bf16(a.ln32, out=out16)
+        return out16
 
     def forward(self, idx, targets=None, grad: bool = True, check: bool = True):
         """As TrainGPT.forward, in mixed precision: the bf16 weights are made from the fp32 ones first."""
@@ -159,23 +168,23 @@ class MixedGPT(TrainGPT):
         a.idx, N, C, L, H = idx, B * T, cfg.n_embd, cfg.n_layer, cfg.n_head
         p = lambda i, n: P[f"h.{i}.{n}"]  # noqa: E731
         w = lambda i, n: W[f"h.{i}.{n}"]  # noqa: E731
-        bf.to_bf16(self.flat, out=self.flat16)
+        bf.to_bf16(self.flat[P["wte.weight"].size:], out=self.flat16)
         bf.to_bf16(P["wte.weight"], out=self.head16[:cfg.vocab_size])
         x = ops.encoder_forward(idx, P["wte.weight"], P["wpe.weight"], out=a.resid[0])
-        self._ln(x, p(0, "ln_1.weight"), p(0, "ln_1.bias"), a.ln1[0], a, a.m1[0], a.r1[0])
+        self._ln(x, p(0, "ln_1.weight"), p(0, "ln_1.bias"), a.ln1[0], a.m1[0], a.r1[0])
         for i in range(L):
             bf.gemm_bf16(a.ln1[i], w(i, "attn.c_attn.weight"), a.f3)
             bf.bias_to_bf16(a.f3, p(i, "attn.c_attn.bias"), out=a.qkv[i].reshape(N, 3 * C))
             bf.attention_forward_bf16(a.qkv[i], H, out=a.atty[i], lse=a.lse[i])
             bf.gemm_bf16(a.atty[i].reshape(N, C), w(i, "attn.c_proj.weight"), a.tmp)
-            self._ln(a.resid[i], p(i, "ln_2.weight"), p(i, "ln_2.bias"), a.ln2[i], a, a.m2[i], a.r2[i], y=a.tmp,
+            self._ln(a.resid[i], p(i, "ln_2.weight"), p(i, "ln_2.bias"), a.ln2[i], a.m2[i], a.r2[i], y=a.tmp,
                      ybias=p(i, "attn.c_proj.bias"), resid=a.resid2[i])
             bf.gemm_bf16(a.ln2[i], w(i, "mlp.c_fc.weight"), a.pre[i])
             bf.gelu_bias_bf16(a.pre[i], p(i, "mlp.c_fc.bias"), out=a.h[i])
             bf.gemm_bf16(a.h[i], w(i, "mlp.c_proj.weight"), a.tmp)
             last = i + 1 == L
             lw, lb = (P["ln_f.weight"], P["ln_f.bias"]) if last else (p(i + 1, "ln_1.weight"), p(i + 1, "ln_1.bias"))
-            self._ln(a.resid2[i], lw, lb, a.lnf if last else a.ln1[i + 1], a, a.m1[i + 1], a.r1[i + 1], y=a.tmp,
+            self._ln(a.resid2[i], lw, lb, a.lnf if last else a.ln1[i + 1], a.m1[i + 1], a.r1[i + 1], y=a.tmp,
                      ybias=p(i, "mlp.c_proj.bias"), resid=a.resid[i + 1])
         V = cfg.vocab_size
         bf.gemm_bf16(a.lnf, self.head16.T, a.logits)
@@ -197,21 +206,24 @@ class MixedGPT(TrainGPT):
         if what == "h":
             return bf.gelu_bias_bf16(a.pre[i], P[f"h.{i}.mlp.c_fc.bias"], out=a.h[i])
         x, out = (a.resid[i], a.ln1[i]) if what == "ln_1" else (a.resid2[i], a.ln2[i])
-        return self._ln(x, P[f"h.{i}.{what}.weight"], P[f"h.{i}.{what}.bias"], out, a, a.mt, a.rt)
+        return self._ln(x, P[f"h.{i}.{what}.weight"], P[f"h.{i}.{what}.bias"], out, a.mt, a.rt)
 
     def backward(self):
         """Gradients of the last forward(grad=True) into self.grads (overwritten), in mixed precision. Each GEMM
-        reads a bf16 copy of the fp32 gradient before it (one cast; the classifier wrote dlogits in bf16 and the
-        attention's dO comes out of its GEMM in bf16 directly); LayerNorm and GELU backward run in fp32. As in
-        TrainGPT.backward, the weight gradients (and bias column sums) run on a second stream beside the pass: each
-        buffer they read is noted with an event, and the pass waits for that event before it writes the buffer
-        again (_Readers)."""
+        reads a bf16 copy of the fp32 gradient before it, written by the kernel that computes that gradient, with
+        no cast between: the classifier writes dlogits in bf16, the attention's dO comes out of its GEMM in bf16,
+        the GELU backward writes its input gradient in bf16 only, and the LayerNorm and attention backward write
+        dres and dqkv in fp32 (the bias sums and the next LayerNorm read those) and in bf16. LayerNorm and GELU
+        backward compute in fp32. As in TrainGPT.backward, the weight gradients (and bias column sums) run on a
+        second stream beside the pass: each buffer they read is noted with an event, and the pass waits for that
+        event before its next kernel that writes the buffer (_Readers), which for a bf16 copy is the kernel that
+        makes the gradient: side.writing comes before it."""
         import cupy as cp
         a, cfg, P, G, W = self._a, self.config, self.params, self.grads, self.params16
         if a is None:
             raise RuntimeError("backward: call forward(idx, targets, grad=True) first (once per backward)")
         self._a = None
-        N, C, L, H = a.N, cfg.n_embd, cfg.n_layer, cfg.n_head
+        B, T, N, C, L, H = a.B, a.T, a.N, cfg.n_embd, cfg.n_layer, cfg.n_head
         p = lambda i, n: P[f"h.{i}.{n}"]  # noqa: E731
         g = lambda i, n: G[f"h.{i}.{n}"]  # noqa: E731
         w = lambda i, n: W[f"h.{i}.{n}"]  # noqa: E731
@@ -220,52 +232,53 @@ class MixedGPT(TrainGPT):
         bf.gemm_bf16(a.dlogits, self.head16, a.dln)                     # pad columns 0 times zero rows
         with side.reading(a.dlogits, a.lnf):                             # the LM head's share of dwte: V rows
             bf.gemm_bf16(a.dlogits[:, :cfg.vocab_size].T, a.lnf, G["wte.weight"])
-        ops.layernorm_backward(a.dln, a.resid[L], P["ln_f.weight"], a.m1[L], a.r1[L], dx=a.dres,
+        side.writing(a.dres16m)
+        ops.layernorm_backward(a.dln, a.resid[L], P["ln_f.weight"], a.m1[L], a.r1[L], dx=a.dres, dx16=a.dres16m,
                                dweight=G["ln_f.weight"], dbias=G["ln_f.bias"])
         for i in reversed(range(L)):
-            # MLP: dres is the gradient of c_proj's output (and bias)
+            # MLP: dres (dres16m in bf16) is the gradient of c_proj's output (and bias)
             if self.recompute:
                 side.writing(a.h[i])
                 self._again(a, i, "h")
-            side.writing(a.dres16m)
-            bf.to_bf16(a.dres, out=a.dres16m)
             bf.gemm_bf16(a.dres16m, w(i, "mlp.c_proj.weight").T, a.dh)
             with side.reading(a.h[i], a.dres16m, a.dres):
                 bf.gemm_bf16(a.h[i].T, a.dres16m, g(i, "mlp.c_proj.weight"))
                 ops.column_sum(a.dres, out=g(i, "mlp.c_proj.bias"))
-            ops.gelu_bias_backward(a.dh, a.pre[i], p(i, "mlp.c_fc.bias"), dpre=a.dh, dbias=g(i, "mlp.c_fc.bias"))
+            side.writing(a.dh16)
+            ops.gelu_bias_backward(a.dh, a.pre[i], p(i, "mlp.c_fc.bias"), dpre16=a.dh16, dbias=g(i, "mlp.c_fc.bias"))
             if self.recompute:
                 side.writing(a.ln2[i])
                 self._again(a, i, "ln_2")
-            side.writing(a.dh16)
-            bf.to_bf16(a.dh, out=a.dh16)
             bf.gemm_bf16(a.dh16, w(i, "mlp.c_fc.weight").T, a.dln)
             with side.reading(a.ln2[i], a.dh16):
                 bf.gemm_bf16(a.ln2[i].T, a.dh16, g(i, "mlp.c_fc.weight"))
             side.writing(a.dres)
-            ops.layernorm_backward(a.dln, a.resid2[i], p(i, "ln_2.weight"), a.m2[i], a.r2[i], dx=a.dres,
-                                   dweight=g(i, "ln_2.weight"), dbias=g(i, "ln_2.bias"), accumulate=True)
-            # attention
             side.writing(a.dres16a)
-            bf.to_bf16(a.dres, out=a.dres16a)
+            ops.layernorm_backward(a.dln, a.resid2[i], p(i, "ln_2.weight"), a.m2[i], a.r2[i], dx=a.dres,
+                                   dx16=a.dres16a, dweight=g(i, "ln_2.weight"), dbias=g(i, "ln_2.bias"),
+                                   accumulate=True)
+            # attention
             bf.gemm_bf16(a.dres16a, w(i, "attn.c_proj.weight").T, a.datty.reshape(N, C))     # dO, in bf16
             with side.reading(a.atty[i], a.dres16a, a.dres):
                 bf.gemm_bf16(a.atty[i].reshape(N, C).T, a.dres16a, g(i, "attn.c_proj.weight"))
                 ops.column_sum(a.dres, out=g(i, "attn.c_proj.bias"))
             side.writing(a.dqkv)
-            bf.attention_backward_bf16(a.datty, a.qkv[i], a.atty[i], a.lse[i], H, dqkv=a.dqkv, delta=a.delta)
+            side.writing(a.dqkv16)
+            bf.attention_backward_bf16(a.datty, a.qkv[i], a.atty[i], a.lse[i], H, dqkv=a.dqkv, delta=a.delta,
+                                       dqkv16=a.dqkv16.reshape(B, T, 3 * C))
             if self.recompute:
                 side.writing(a.ln1[i])
                 self._again(a, i, "ln_1")
-            side.writing(a.dqkv16)
-            bf.to_bf16(dqkv, out=a.dqkv16)
             bf.gemm_bf16(a.dqkv16, w(i, "attn.c_attn.weight").T, a.dln)
             with side.reading(a.ln1[i], a.dqkv16, a.dqkv):
                 bf.gemm_bf16(a.ln1[i].T, a.dqkv16, g(i, "attn.c_attn.weight"))
                 ops.column_sum(dqkv, out=g(i, "attn.c_attn.bias"))
             side.writing(a.dres)
+            if i:                       # layer 0's dres goes to the embeddings, which read it in fp32
+                side.writing(a.dres16m)
             ops.layernorm_backward(a.dln, a.resid[i], p(i, "ln_1.weight"), a.m1[i], a.r1[i], dx=a.dres,
-                                   dweight=g(i, "ln_1.weight"), dbias=g(i, "ln_1.bias"), accumulate=True)
+                                   dx16=a.dres16m if i else None, dweight=g(i, "ln_1.weight"), dbias=g(i, "ln_1.bias"),
+                                   accumulate=True)
         side.all_done()                 # the embedding adds into dwte, the optimiser reads every dW
         ops.encoder_backward(a.dres, a.idx, G["wte.weight"], G["wpe.weight"], version=self.embedding_version)
         return G

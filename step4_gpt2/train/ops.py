@@ -4,6 +4,10 @@ step.
 Every function takes CuPy float32 arrays (token ids int32), checks them with common.expect_array (the error
 names the argument), and writes into `out=`-style buffers when given, so the step's activations and gradients are
 allocated once (the reductions' partial sums, and the attention backward's row terms and stored dS, are still per call).
+Three take a bf16 output (uint16 bit patterns) for mixed-precision training (mixed.py), whose next GEMM reads bf16:
+layernorm_forward's out16 and gelu_bias_backward's dpre16 in place of the fp32 output, layernorm_backward's dx16
+beside dx. The kernel rounds the fp32 value it has just computed (ops_bf16.to_bf16's bits), so no cast kernel
+reads it back; left out, the kernels run as the fp32 model has them.
 The fused classifier and the multi-tensor AdamW are step 3's (train_forward.cu, train_update.cu), the attention
 forward is step 2's flash attention (flash_attention.cu), asked to save each row's log-sum-exp, or, in version 3,
 the tensor-core kernels of attention_tc.cu (forward and backward at fp32 accuracy, 3xTF32); the global
@@ -36,8 +40,10 @@ ATT_DEFINES = {"ATT_ROWS": ATT_ROWS}
 LN_VECS = (1, 2, 3, 4, 6, 8)          # the LayerNorms' _vec kernels: float4 per lane (C <= 128 * VEC)
 # for tests/test_compile.py (HEAD_DIM: the .cu's default, 64)
 CU_DEFINES = {CU: DEFINES, CU_ATT: ATT_DEFINES}
+BF16_OF = {"float": "unsigned short", "float4": "uint2"}   # gelu_backward_partial's bf16 output element per T
 CU_TEMPLATES = {CU: tuple(f"{k}<{t}>" for k in ("column_partial", "gelu_bias_forward", "gelu_backward_partial")
                           for t in ("float", "float4"))
+                    + tuple(f"gelu_backward_partial<{t}, {o}>" for t, o in BF16_OF.items())
                     + tuple(f"layernorm_{d}_vec<{v}>" for d in ("forward", "backward") for v in LN_VECS)}
 CHUNK_ROWS = 256                      # rows per partial in the column sums
 LN_ROWS_PER_BLOCK = 32                # layernorm_backward: rows per block (8 per warp)
@@ -63,11 +69,28 @@ def _elem(cols: int, *arrays) -> tuple[str, int]:
     return ("float4", cols // 4) if float4_rows(cols, *arrays) else ("float", cols)
 
 
-def _ln_vec(C: int, *arrays) -> int | None:
-    """The LayerNorms' VEC for a row of C floats (the smallest in LN_VECS that holds it), or None: scalar kernels."""
-    if not float4_rows(C, *arrays):
+def _ln_vec(C: int, *arrays, bf16=None) -> int | None:
+    """The LayerNorms' VEC for a row of C floats (the smallest in LN_VECS that holds it), or None: scalar kernels.
+    bf16: their bf16 output, if any (written four values to an 8-byte store there)."""
+    if not float4_rows(C, *arrays) or not _bf16x4_rows(bf16):
         return None
     return next((v for v in LN_VECS if 128 * v >= C), None)
+
+
+def _bf16x4_rows(a) -> bool:
+    """Whether the float4 kernels may store four bf16 at a time (8 bytes) into a (None: no bf16 output). The rows'
+    length is the float inputs' (float4_rows checks it is a multiple of 4); only the start may be off."""
+    return a is None or a.data.ptr % 8 == 0
+
+
+def _bf16_out(a, name: str, shape: tuple, instead_of=None, fp32_name: str = ""):
+    """A bf16 output (uint16 bit patterns) of this shape, given by the caller (mixed.py's buffers), or None.
+    instead_of: the fp32 output it replaces, which must then be left out."""
+    if a is None:
+        return None
+    if instead_of is not None:
+        raise ValueError(f"{name}: the bf16 output replaces {fp32_name}; pass {fp32_name} or {name}, not both")
+    return expect_array(a, name, dtype=np.uint16, shape=shape)
 
 
 def _tc(name: str, head_dim: int = 64):
@@ -166,33 +189,39 @@ def gelu_bias_forward(h, bias, out=None):
     return out
 
 
-def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None):
-    """dpre = dout * gelu'(h + bias) (dpre may be dout itself) and dbias = its column sums: one pass + a finish."""
+def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None, dpre16=None):
+    """dpre = dout * gelu'(h + bias) (dpre may be dout itself) and dbias = its column sums: one pass + a finish.
+    dpre16 (rows, cols) uint16: dpre's bf16 bits go there and no fp32 dpre is written (mixed.py); dbias is the
+    same fp32 sum either way. Returns (dpre or dpre16, dbias)."""
     import cupy as cp
     dout = expect_array(dout, "dout", dtype=np.float32, ndim=2)
     rows, cols = dout.shape
     h = expect_array(h, "h", dtype=np.float32, shape=(rows, cols))
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(cols,))
-    dpre = out_array(dpre, (rows, cols), name="dpre")
+    dpre16 = _bf16_out(dpre16, "dpre16", (rows, cols), instead_of=dpre, fp32_name="dpre")
+    dpre = out_array(dpre, (rows, cols), name="dpre") if dpre16 is None else None
     dbias = out_array(dbias, (cols,), name="dbias")
     chunks = max(1, -(-rows // CHUNK_ROWS))
     partial = cp.empty((chunks, cols), cp.float32)
     if not rows:
         partial.fill(0)
     if dout.size:
-        t, n = _elem(cols, dout, h, bias, dpre)
-        _k(f"gelu_backward_partial<{t}>")((-(-n // COLS), chunks), (COLS, ROWS),
-                                          (dout, h, bias, dpre, partial, np.int32(rows), np.int32(n), np.int32(CHUNK_ROWS)))
+        t, n = _elem(cols, dout, h, bias, dpre) if _bf16x4_rows(dpre16) else ("float", cols)
+        name = f"gelu_backward_partial<{t}>" if dpre16 is None else f"gelu_backward_partial<{t}, {BF16_OF[t]}>"
+        _k(name)((-(-n // COLS), chunks), (COLS, ROWS),
+                 (dout, h, bias, dpre if dpre16 is None else dpre16, partial, np.int32(rows), np.int32(n),
+                  np.int32(CHUNK_ROWS)))
     if cols:
         _finish(partial, chunks, cols, dbias)
-    return dpre, dbias
+    return dpre if dpre16 is None else dpre16, dbias
 
 
 # ---------------------------------------------------------------------------------------- LayerNorm
 def layernorm_forward(x, weight, bias, eps: float = 1e-5, y=None, ybias=None, out=None, resid=None, mean=None,
-                      rstd=None):
+                      rstd=None, out16=None):
     """(out, mean, rstd) = LayerNorm of x (N, C), saving mean and rstd (N,). With y (N, C): the residual is
-    fused in, resid = x + y (+ ybias) is written too and normalised; returns (resid, out, mean, rstd)."""
+    fused in, resid = x + y (+ ybias) is written too and normalised; returns (resid, out, mean, rstd).
+    out16 (N, C) uint16: the output's bf16 bits go there instead of an fp32 out (mixed.py), returned as out."""
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     N, C = x.shape
     weight = expect_array(weight, "weight", dtype=np.float32, shape=(C,))
@@ -202,19 +231,24 @@ def layernorm_forward(x, weight, bias, eps: float = 1e-5, y=None, ybias=None, ou
         resid = out_array(resid, (N, C), name="resid")
         if ybias is not None:
             ybias = expect_array(ybias, "ybias", dtype=np.float32, shape=(C,))
-    out = out_array(out, (N, C))
+    out16 = _bf16_out(out16, "out16", (N, C), instead_of=out, fp32_name="out")
+    out = out_array(out, (N, C)) if out16 is None else None
     mean, rstd = out_array(mean, (N,), name="mean"), out_array(rstd, (N,), name="rstd")
     resid = resid if y is not None else None
-    vec = _ln_vec(C, x, y, ybias, resid, weight, bias, out)
+    vec = _ln_vec(C, x, y, ybias, resid, weight, bias, out, bf16=out16)
     name = "layernorm_forward" if vec is None else f"layernorm_forward_vec<{vec}>"
     if N:
         _k(name)(launch_grid(N, BLOCK // 32), (BLOCK,), (x, _or_null(y), _or_null(ybias), _or_null(resid), weight,
-                                                         bias, out, mean, rstd, np.int32(N), np.int32(C), np.float32(eps)))
+                                                         bias, _or_null(out), _or_null(out16), mean, rstd, np.int32(N),
+                                                         np.int32(C), np.float32(eps)))
+    out = out if out16 is None else out16
     return (out, mean, rstd) if y is None else (resid, out, mean, rstd)
 
 
-def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, accumulate: bool = False):
-    """dx (= or += with accumulate: the residual stream's gradient), dweight, dbias in one kernel + a finish."""
+def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, accumulate: bool = False,
+                       dx16=None):
+    """dx (= or += with accumulate: the residual stream's gradient), dweight, dbias in one kernel + a finish.
+    dx16 (N, C) uint16: also the bf16 bits of the final dx, after accumulating (mixed.py's next GEMM reads them)."""
     import cupy as cp
     dy = expect_array(dy, "dy", dtype=np.float32, ndim=2)
     N, C = dy.shape
@@ -224,17 +258,18 @@ def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=N
     rstd = expect_array(rstd, "rstd", dtype=np.float32, shape=(N,))
     dx = out_array(dx, (N, C), name="dx")
     dweight, dbias = out_array(dweight, (C,), name="dweight"), out_array(dbias, (C,), name="dbias")
+    dx16 = _bf16_out(dx16, "dx16", (N, C))
     blocks = max(1, -(-N // LN_ROWS_PER_BLOCK))
     partial = cp.empty((blocks, 2 * C), cp.float32)
     if not N:
         partial.fill(0)
     if N and C:
-        vec = _ln_vec(C, dy, x, weight, dx)
+        vec = _ln_vec(C, dy, x, weight, dx, bf16=dx16)
         kernel = _k("layernorm_backward" if vec is None else f"layernorm_backward_vec<{vec}>")
         smem = LN_WARPS * 2 * C * 4
         allow_dynamic_smem(kernel, smem, f"layernorm_backward with C={C}")
-        kernel((blocks,), (LN_WARPS * 32,), (dy, x, weight, mean, rstd, dx, partial, np.int32(N), np.int32(C),
-                                             np.int32(LN_ROWS_PER_BLOCK), np.int32(bool(accumulate))),
+        kernel((blocks,), (LN_WARPS * 32,), (dy, x, weight, mean, rstd, dx, _or_null(dx16), partial, np.int32(N),
+                                             np.int32(C), np.int32(LN_ROWS_PER_BLOCK), np.int32(bool(accumulate))),
                shared_mem=smem)
     if C:
         _finish(partial, blocks, 2 * C, dweight, dbias, split=C)

@@ -56,7 +56,8 @@ def _grid4(n: int) -> tuple[int]:
 def to_bf16(x, out=None):
     """out (uint16, x's shape) = bf16(x), round to nearest even (flash.to_bf16's bits for every number; a NaN
     stays NaN, which flash.to_bf16 would round into another value). x contiguous float32: the flat parameter
-    buffer once per step, or a gradient a bf16 GEMM reads next."""
+    buffer once per step. The kernels whose outputs a bf16 GEMM reads next write these same bits themselves
+    (ops.py's out16, dpre16, dx16; attention_backward_bf16's dqkv16)."""
     x = expect_array(x, "x", dtype=np.float32)
     out = out_array(out, x.shape, np.uint16)
     if x.size:
@@ -193,10 +194,11 @@ def attention_forward_bf16(qkv, n_head: int, out=None, lse=None):
     return out, lse
 
 
-def attention_backward_bf16(dout, qkv, out, lse, n_head: int, dqkv=None, delta=None):
+def attention_backward_bf16(dout, qkv, out, lse, n_head: int, dqkv=None, delta=None, dqkv16=None):
     """dqkv (B, T, 3C) float32 of causal attention from dout (B, T, C) bf16 and the forward's qkv, out (bf16) and
     lse: delta = rowsum(dO * O), then dK, dV (a block per 64 keys) and dQ (a block per 64 queries, S and dP
-    recomputed). The qkv bias gradient is the column sum of dqkv. sm_80+."""
+    recomputed). The qkv bias gradient is the column sum of dqkv. dqkv16 (B, T, 3C) uint16: also dqkv's bf16
+    bits (to_bf16's), for the qkv GEMMs. sm_80+."""
     require_bf16()
     qkv, B, T, C, D = _qkv(qkv, n_head)
     H = n_head
@@ -206,13 +208,17 @@ def attention_backward_bf16(dout, qkv, out, lse, n_head: int, dqkv=None, delta=N
     lse = expect_array(lse, "lse", dtype=np.float32, shape=(B, H, T))
     dqkv = out_array(dqkv, (B, T, 3 * C), name="dqkv")
     _aligned(dqkv, "dqkv")
+    if dqkv16 is not None:
+        dqkv16 = _bf16(dqkv16, "dqkv16", shape=(B, T, 3 * C))
+        _aligned(dqkv16, "dqkv16")
     delta = out_array(delta, (B, H, T), name="delta")
     if not dqkv.size:
         return dqkv
     rows = B * H * T
     _att("attention_delta_bf16", D)(launch_grid(rows * 32, BLOCK), (BLOCK,),
                                     (dout, out, delta, np.int32(T), np.int32(H), np.int64(rows)))
-    args = (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(H), np.float32(1 / math.sqrt(D)))
+    args = (qkv, dout, lse, delta, dqkv, np.uint64(0) if dqkv16 is None else dqkv16, np.int32(T), np.int32(H),
+            np.float32(1 / math.sqrt(D)))
     grid = (-(-T // ROWS), B * H)
     _att("attention_dkv_bf16", D)(grid, (THREADS,), args)
     _att("attention_dq_bf16", D)(grid, (THREADS,), args)

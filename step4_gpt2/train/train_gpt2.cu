@@ -20,6 +20,13 @@
 //                           Saves mean and rstd (2 floats per row) for the backward pass.
 //   layernorm_backward      dx, dweight, dbias in one kernel: warp per row, dweight/dbias accumulated in
 //                           per-warp shared-memory rows (no atomics), one partial per block.
+//   bf16 outputs            mixed.py's GEMMs read bf16: the kernel that makes such a value rounds it itself
+//                           (common/include/lowp.cuh's bf16_bits, the bits of mixed.cu's casts) instead of
+//                           writing fp32 for a cast kernel to read back. layernorm_forward(_vec) writes out16
+//                           instead of out; gelu_backward_partial<T, O>, O the bf16 bits, writes only those
+//                           (its bias partials still add the fp32 values); layernorm_backward(_vec) writes dx16
+//                           beside dx, which the bias sums and the next LayerNorm backward still read. Null
+//                           pointers and O = T (the fp32 model's calls) leave each kernel as it was.
 //   T = float4, ..._vec     16-byte loads where C % 4 == 0 and the buffers are 16-byte aligned (ops.py
 //                           checks): a quarter of the load instructions and four times the bytes in flight
 //                           per thread. The column kernels take T = float or float4 (the same order of
@@ -37,6 +44,7 @@
 // construction): COLS x ROWS (the column kernels' blocks), FINISH_ROWS (column_finish's row lanes), LN_WARPS
 // (layernorm_backward's warps per block).
 #include "course.cuh"
+#include "lowp.cuh"         // bf16_bits, bf16x4_bits: the bf16 outputs round as mixed.cu's casts do
 
 #ifndef COLS
 #error "COLS is passed by ops.py"
@@ -51,6 +59,8 @@
 #error "LN_WARPS is passed by ops.py"
 #endif
 #define NAN_F __int_as_float(0x7fffffff)
+
+typedef unsigned short u16;
 
 __device__ __forceinline__ float gelu_tanh_grad(float x) {
     const float k = 0.7978845608028654f;
@@ -68,6 +78,13 @@ __device__ __forceinline__ float4 dgelu_bias(float4 d, float4 x, float4 b) {
     return make_float4(d.x * gelu_tanh_grad(x.x + b.x), d.y * gelu_tanh_grad(x.y + b.y),
                        d.z * gelu_tanh_grad(x.z + b.z), d.w * gelu_tanh_grad(x.w + b.w));
 }
+
+// A column kernel's output element: the fp32 value itself, or its bf16 bits (a u16, or four in a uint2 for
+// T = float4). Any other pairing does not compile.
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(float4* p, float4 v) { *p = v; }
+__device__ __forceinline__ void put(u16* p, float v) { *p = bf16_bits(v); }
+__device__ __forceinline__ void put(uint2* p, float4 v) { *p = bf16x4_bits(v); }
 
 // Row lane threadIdx.y of a (COLS, LANES) block holds a partial sum s for column threadIdx.x: add the LANES
 // partials in a fixed order (no atomics: the same bits every run). The result is valid in row lane 0.
@@ -134,8 +151,10 @@ __global__ void column_partial(const T* __restrict__ a, float* __restrict__ part
 }
 
 // The c_fc backward: dpre = dout * gelu'(h + bias) (dpre may be dout itself), and its column partials.
-template <typename T>
-__global__ void gelu_backward_partial(const T* dout, const T* __restrict__ h, const T* __restrict__ bias, T* dpre,
+// O = T stores dpre in fp32; O = u16 (T = float) or uint2 (T = float4) stores only its bf16 bits, all that
+// mixed.py's GEMMs read of it, while the partials add the same fp32 values in the same order.
+template <typename T, typename O = T>
+__global__ void gelu_backward_partial(const T* dout, const T* __restrict__ h, const T* __restrict__ bias, O* dpre,
                                       float* __restrict__ partial, int rows, int cols, int chunk_rows) {
     __shared__ T part[ROWS][COLS + 1];
     const int c = blockIdx.x * COLS + threadIdx.x;
@@ -147,7 +166,7 @@ __global__ void gelu_backward_partial(const T* dout, const T* __restrict__ h, co
         for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) {
             const long long i = (long long)r * cols + c;
             const T d = dgelu_bias(dout[i], h[i], bc);
-            dpre[i] = d;
+            put(dpre + i, d);
             s = s + d;
         }
     const T t = sum_row_lanes<ROWS>(s, part);
@@ -193,10 +212,12 @@ __global__ void gelu_bias_forward(const T* __restrict__ h, const T* __restrict__
 // ----------------------------------------------------------------------------------------- LayerNorm
 // One warp per row. y == nullptr: plain LayerNorm of x. Otherwise the residual is fused in:
 // resid = x + y (+ ybias), written out, and normalised. The row is re-read from L1 in passes 2 and 3.
+// out16 != nullptr: the output's bf16 bits go there instead of out (mixed.py's GEMMs read only those).
 extern "C" __global__ void layernorm_forward(const float* x, const float* y, const float* __restrict__ ybias,
                                              float* resid, const float* __restrict__ w, const float* __restrict__ b,
-                                             float* __restrict__ out, float* __restrict__ mean,
-                                             float* __restrict__ rstd, int N, int C, float eps) {
+                                             float* __restrict__ out, u16* __restrict__ out16,
+                                             float* __restrict__ mean, float* __restrict__ rstd, int N, int C,
+                                             float eps) {
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;                      // whole warps leave: the shuffles below see all 32 lanes
     const long long off = (long long)row * C;
@@ -219,7 +240,11 @@ extern "C" __global__ void layernorm_forward(const float* x, const float* y, con
         q += d * d;                            // two passes: no catastrophic E[x^2] - E[x]^2
     }
     const float r = 1.0f / sqrtf(warp_sum(q) / C + eps);
-    for (int c = lane; c < C; c += 32) out[off + c] = (src[c] - m) * r * w[c] + b[c];
+    for (int c = lane; c < C; c += 32) {
+        const float v = (src[c] - m) * r * w[c] + b[c];
+        if (out16) out16[off + c] = bf16_bits(v);
+        else out[off + c] = v;
+    }
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
@@ -241,10 +266,12 @@ __device__ __forceinline__ void ln_block_partial(const float* sm, float* __restr
 // dx (= or += with accumulate), and per-block partials of dweight | dbias: partial (blocks, 2C).
 // Dynamic shared memory: LN_WARPS * 2C floats; lane l only ever touches columns l, l+32, ... of its
 // warp's rows, so the accumulation needs neither atomics nor barriers.
+// dx16 != nullptr: also the bf16 bits of the final dx (after accumulating), for mixed.py's next GEMM; dx stays
+// fp32 for the bias column sums and the next LayerNorm backward, which add into it.
 extern "C" __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward(
         const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
-        const float* __restrict__ mean, const float* __restrict__ rstd, float* dx, float* __restrict__ partial,
-        int N, int C, int rows_per_block, int accumulate) {
+        const float* __restrict__ mean, const float* __restrict__ rstd, float* dx, u16* __restrict__ dx16,
+        float* __restrict__ partial, int N, int C, int rows_per_block, int accumulate) {
     extern __shared__ float sm[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float* dw = sm + warp * 2 * C;
@@ -268,7 +295,9 @@ extern "C" __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward(
         for (int c = lane; c < C; c += 32) {
             const float d = dy[off + c], xh = (x[off + c] - m) * r;
             const float v = r * (d * w[c] - sg - xh * sgx);
-            dx[off + c] = accumulate ? dx[off + c] + v : v;
+            const float o = accumulate ? dx[off + c] + v : v;
+            dx[off + c] = o;
+            if (dx16) dx16[off + c] = bf16_bits(o);
             dw[c] += d * xh;
             db[c] += d;
         }
@@ -278,11 +307,12 @@ extern "C" __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward(
 
 // The row in registers: lane l holds float4 columns l, l + 32, ... (VEC of them, C <= 128 * VEC, C % 4 == 0).
 // The same arithmetic per element as layernorm_forward; the sums add in another order (last bits differ).
+// out16: as there, four bf16 in one 8-byte store (out16 8-byte aligned: ops.py checks).
 template <int VEC>
 __global__ void layernorm_forward_vec(const float* x, const float* y, const float* __restrict__ ybias,
                                       float* resid, const float* __restrict__ w, const float* __restrict__ b,
-                                      float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                      int N, int C, float eps) {
+                                      float* __restrict__ out, u16* __restrict__ out16, float* __restrict__ mean,
+                                      float* __restrict__ rstd, int N, int C, float eps) {
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
     const int C4 = C / 4;
@@ -316,8 +346,10 @@ __global__ void layernorm_forward_vec(const float* x, const float* y, const floa
         const int c = lane + 32 * k;
         if (c < C4) {
             const float4 g = reinterpret_cast<const float4*>(w)[c], bb = reinterpret_cast<const float4*>(b)[c];
-            reinterpret_cast<float4*>(out)[off + c] = make_float4((v[k].x - m) * r * g.x + bb.x,
-                (v[k].y - m) * r * g.y + bb.y, (v[k].z - m) * r * g.z + bb.z, (v[k].w - m) * r * g.w + bb.w);
+            const float4 o = make_float4((v[k].x - m) * r * g.x + bb.x, (v[k].y - m) * r * g.y + bb.y,
+                                         (v[k].z - m) * r * g.z + bb.z, (v[k].w - m) * r * g.w + bb.w);
+            if (out16) reinterpret_cast<uint2*>(out16)[off + c] = bf16x4_bits(o);
+            else reinterpret_cast<float4*>(out)[off + c] = o;
         }
     }
     if (lane == 0) {
@@ -328,12 +360,12 @@ __global__ void layernorm_forward_vec(const float* x, const float* y, const floa
 
 // layernorm_backward with the row in registers (as layernorm_forward_vec): dy, x (and dx when accumulating)
 // loaded once, all at the start of a row. The per-warp dweight | dbias rows are the same floats as there,
-// seen as float4.
+// seen as float4. dx16: as there, four bf16 in one 8-byte store.
 template <int VEC>
 __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward_vec(
         const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
-        const float* __restrict__ mean, const float* __restrict__ rstd, float* dx, float* __restrict__ partial,
-        int N, int C, int rows_per_block, int accumulate) {
+        const float* __restrict__ mean, const float* __restrict__ rstd, float* dx, u16* __restrict__ dx16,
+        float* __restrict__ partial, int N, int C, int rows_per_block, int accumulate) {
     extern __shared__ float4 sm4[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, C4 = C / 4;
     float4* dw = sm4 + warp * 2 * C4;
@@ -376,6 +408,7 @@ __global__ void __launch_bounds__(LN_WARPS * 32) layernorm_backward_vec(
                                        r * (d[k].z * wv[k].z - sg - xh.z * sgx), r * (d[k].w * wv[k].w - sg - xh.w * sgx));
                 if (accumulate) v = old[k] + v;
                 reinterpret_cast<float4*>(dx)[off + c] = v;
+                if (dx16) reinterpret_cast<uint2*>(dx16)[off + c] = bf16x4_bits(v);
                 const float4 a = dw[c], e = db[c];
                 dw[c] = make_float4(a.x + d[k].x * xh.x, a.y + d[k].y * xh.y, a.z + d[k].z * xh.z, a.w + d[k].w * xh.w);
                 db[c] = e + d[k];

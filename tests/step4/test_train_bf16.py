@@ -3,7 +3,10 @@ for sm_70 ... sm_90 (the bf16 kernels trap below sm_80, and the wrappers refuse 
 reference bf16 rounding the GPU checks compare the casts with, activation_bytes (exact, what recomputation saves)
 and the named errors; on the GPU every kernel against a float64 reference on bf16-rounded inputs (awkward
 shapes, NaN-poisoned outputs), the bf16 GEMM, one step's loss and every gradient against torch autocast(bf16), recomputation against none, the
-training graph against the launches one by one, and a short run's validation loss against the fp32 run's."""
+training graph against the launches one by one, and a short run's validation loss against the fp32 run's. The
+bf16 outputs fused into the kernels that make them (LayerNorm forward and backward, GELU backward, attention
+backward) are checked bit for bit: each is the cast of that kernel's fp32 output, which they leave unchanged, and a
+whole step gives the losses and gradients of the step that cast them separately."""
 import math
 
 import numpy as np
@@ -314,6 +317,257 @@ def test_attention_bf16_names_its_arguments():
     out, lse = bf.attention_forward_bf16(qkv, 1)
     with pytest.raises(ValueError, match="dout: expected an array starting on a 16-byte boundary"):
         bf.attention_backward_bf16(misaligned(out), qkv, out, lse, 1)
+
+
+# ============================================================================ GPU: bf16 written by the producer
+# Each fused bf16 output is compared with mixed.cu's cast (to_bf16) of the fp32 output the same kernel variant
+# writes without it, bit for bit (uint16 patterns; fp32 compared as their bits, so NaN == NaN). The variants differ
+# in their last bits (vec LayerNorms sum in another order), so the fp32 run is made to take the variant the bf16
+# run takes: where the bf16 output is too misaligned for the 8-byte stores, its fp32 output is misaligned too.
+PLACES = {"aligned": 0, "bf16 +2 bytes": 1, "bf16 +4 bytes": 2, "bf16 +8 bytes": 4, "inputs +4 bytes": 0}
+BF16_SCALAR = ("bf16 +2 bytes", "bf16 +4 bytes")     # too misaligned for four bf16 at a time: the scalar kernels
+
+
+def _same_bits(a, b) -> bool:
+    """The same shape, dtype and bit patterns (fp32 compared as uint32: NaN equals NaN, -0 does not equal 0)."""
+    import cupy as cp
+    a, b = cp.asarray(a), cp.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.ravel(), b.ravel()
+    if a.dtype == cp.float32:
+        a, b = a.view(cp.uint32), b.view(cp.uint32)
+    return bool(cp.array_equal(a, b))
+
+
+def _input(x, where):
+    from tests.views import misaligned
+    return misaligned(x) if where == "inputs +4 bytes" else cuda(x)
+
+
+def _out32(shape, where):
+    """The fp32 path's output buffer: poisoned, and misaligned where the bf16 run takes the scalar kernels."""
+    import cupy as cp
+    from tests.views import misaligned
+    out = poison(cp.empty(shape, cp.float32))
+    return misaligned(out) if where in BF16_SCALAR else out
+
+
+def _out16(shape, where):
+    import cupy as cp
+    return _shifted(poison(cp.empty(shape, cp.uint16)), PLACES[where])
+
+
+def _names(monkeypatch):
+    """The train_gpt2.cu kernels ops.py launches from here on, in order."""
+    from step4_gpt2.train import ops
+    used, k = [], ops._k
+    monkeypatch.setattr(ops, "_k", lambda name: used.append(name) or k(name))
+    return used
+
+
+@gpu
+@pytest.mark.parametrize("where", list(PLACES))
+@pytest.mark.parametrize("rows,cols", [(1, 1), (300, 37), (7, 132), (257, 3072), (33, 6400)])
+def test_gelu_backward_writes_dpre_in_bf16_bit_for_bit(rows, cols, where, monkeypatch):
+    """dpre16 is the cast of the dpre the fp32 path writes, and dbias is the fp32 path's, bit for bit: float4
+    kernels (cols % 4 == 0, dpre16 8-byte aligned), float ones (cols odd, or dpre16 2 or 4 bytes off)."""
+    import cupy as cp
+    from step4_gpt2.train import ops
+    names = _names(monkeypatch)
+    dout, h, bias = _input(rand((rows, cols), 1), where), _input(rand((rows, cols), 2, 2.0), where), cuda(rand(cols, 3))
+    dpre, dbias = _out32((rows, cols), where), poison(cp.empty(cols, cp.float32))
+    ops.gelu_bias_backward(dout, h, bias, dpre=dpre, dbias=dbias)
+    dpre16, dbias16 = _out16((rows, cols), where), poison(cp.empty(cols, cp.float32))
+    got, _ = ops.gelu_bias_backward(dout, h, bias, dpre16=dpre16, dbias=dbias16)
+    assert got is dpre16
+    t = "float4" if cols % 4 == 0 and where in ("aligned", "bf16 +8 bytes") else "float"
+    assert names[::2] == [f"gelu_backward_partial<{t}>", f"gelu_backward_partial<{t}, {ops.BF16_OF[t]}>"], names
+    assert _same_bits(dpre16, bf.to_bf16(dpre))
+    assert _same_bits(dbias16, dbias)
+    assert _same_bits(dout, _input(rand((rows, cols), 1), where))      # dout is only read
+
+
+LN_SHAPES = [(1, 4), (37, 45), (13, 132), (77, 768), (5, 1024), (9, 1600)]
+
+
+def _ln_kernel(direction: str, C: int, where: str) -> str:
+    """The LayerNorm kernel both runs should take: the row in registers where C % 4 == 0, C <= 1024 (LN_VECS) and
+    every buffer is aligned for it; C = 1600 takes the scalar kernel."""
+    from step4_gpt2.train import ops
+    vec = next((v for v in ops.LN_VECS if 128 * v >= C), None) if C % 4 == 0 else None
+    if vec is None or where in BF16_SCALAR + ("inputs +4 bytes",):
+        return f"layernorm_{direction}"
+    return f"layernorm_{direction}_vec<{vec}>"
+
+
+@gpu
+@pytest.mark.parametrize("where", list(PLACES))
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("N,C", LN_SHAPES)
+def test_layernorm_forward_writes_its_output_in_bf16_bit_for_bit(N, C, fused, where, monkeypatch):
+    """out16 is the cast of the out the fp32 path writes; mean, rstd (and the fused residual) are the fp32 path's,
+    bit for bit. Rows not a multiple of a block's 8, C = 45 (scalar), 132 (a last float4 column some lanes hold),
+    768 and 1024 (the vec kernels), 1600 (scalar: longer than LN_VECS holds)."""
+    import cupy as cp
+    from step4_gpt2.train import ops
+    names = _names(monkeypatch)
+    x, w, b = _input(rand((N, C), 1, 2.0), where), cuda(rand(C, 2)), cuda(rand(C, 3))
+    extra = {"y": _input(rand((N, C), 4), where), "ybias": cuda(rand(C, 5))} if fused else {}
+    runs = []
+    for out16 in (None, _out16((N, C), where)):
+        stats = [poison(cp.empty(N, cp.float32)) for _ in range(2)]
+        resid = {"resid": poison(cp.empty((N, C), cp.float32))} if fused else {}
+        out = {"out": _out32((N, C), where)} if out16 is None else {"out16": out16}
+        got = ops.layernorm_forward(x, w, b, mean=stats[0], rstd=stats[1], **extra, **resid, **out)
+        assert got[-3] is (out16 if out16 is not None else out["out"])
+        runs.append((got[-3], *stats, *resid.values()))
+    assert names == [_ln_kernel("forward", C, where)] * 2, names
+    (out, *kept), (out16, *kept16) = runs
+    assert _same_bits(out16, bf.to_bf16(cp.ascontiguousarray(out)))
+    for a, b16 in zip(kept, kept16):
+        assert _same_bits(b16, a)
+
+
+@gpu
+@pytest.mark.parametrize("where", list(PLACES))
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("N,C", LN_SHAPES)
+def test_layernorm_backward_writes_dx_in_bf16_too_bit_for_bit(N, C, accumulate, where, monkeypatch):
+    """dx16 is the cast of the final dx (after accumulating), and dx, dweight, dbias are the fp32 path's, bit for
+    bit. Rows not a multiple of a block's 32."""
+    import cupy as cp
+    from step4_gpt2.train import ops
+    dy, x, w = _input(rand((N, C), 1), where), _input(rand((N, C), 2, 2.0), where), cuda(rand(C, 3))
+    _, mean, rstd = ops.layernorm_forward(x, w, cuda(rand(C, 4)))
+    names = _names(monkeypatch)
+    base = rand((N, C), 5)
+    runs = []
+    for dx16 in (None, _out16((N, C), where)):
+        dx = _out32((N, C), where)
+        if accumulate:
+            dx[...] = cuda(base)
+        dw, db = poison(cp.empty(C, cp.float32)), poison(cp.empty(C, cp.float32))
+        got = ops.layernorm_backward(dy, x, w, mean, rstd, dx=dx, dweight=dw, dbias=db, accumulate=accumulate,
+                                     dx16=dx16)
+        assert all(g is e for g, e in zip(got, (dx, dw, db)))
+        runs.append((dx16, dx, dw, db))
+    assert names[::2] == [_ln_kernel("backward", C, where)] * 2, names
+    (_, *want), (dx16, *got) = runs
+    assert _same_bits(dx16, bf.to_bf16(cp.ascontiguousarray(want[0])))
+    for a, b16 in zip(want, got):
+        assert _same_bits(b16, a)
+
+
+@gpu
+@pytest.mark.parametrize("B,H,T,D", ATT_SHAPES)
+def test_attention_backward_writes_dqkv_in_bf16_too_bit_for_bit(B, H, T, D):
+    """dqkv16 is the cast of dqkv, and dqkv is what the backward writes without dqkv16, bit for bit (T not a
+    multiple of a block's 64 rows)."""
+    import cupy as cp
+    qkv, _, dout, _ = att_inputs(B, T, H, D, seed=9)
+    out, lse = bf.attention_forward_bf16(qkv, H)
+    shape = (B, T, 3 * H * D)
+    want = bf.attention_backward_bf16(dout, qkv, out, lse, H, dqkv=poison(cp.empty(shape, cp.float32)))
+    dqkv16 = poison(cp.empty(shape, cp.uint16))
+    got = bf.attention_backward_bf16(dout, qkv, out, lse, H, dqkv=poison(cp.empty(shape, cp.float32)), dqkv16=dqkv16)
+    assert _same_bits(got, want)
+    assert _same_bits(dqkv16, bf.to_bf16(want))
+
+
+@gpu
+def test_bf16_outputs_name_their_argument():
+    import cupy as cp
+    from step4_gpt2.train import ops
+    from tests.views import misaligned
+    N, C = 4, 8
+    x, w = cp.ones((N, C), cp.float32), cp.ones(C, cp.float32)
+    with pytest.raises(TypeError, match="^out16: expected dtype uint16, got float32"):
+        ops.layernorm_forward(x, w, w, out16=cp.empty((N, C), cp.float32))
+    with pytest.raises(ValueError, match=r"^out16: expected shape \(4, 8\), got \(4, 9\)"):
+        ops.layernorm_forward(x, w, w, out16=cp.empty((N, C + 1), cp.uint16))
+    with pytest.raises(ValueError, match="^out16: the bf16 output replaces out; pass out or out16, not both"):
+        ops.layernorm_forward(x, w, w, out=cp.empty((N, C), cp.float32), out16=cp.empty((N, C), cp.uint16))
+    with pytest.raises(ValueError, match="^dpre16: expected a C-contiguous array"):
+        ops.gelu_bias_backward(x, x, w, dpre16=cp.empty((C, N), cp.uint16).T)
+    with pytest.raises(ValueError, match="^dpre16: the bf16 output replaces dpre; pass dpre or dpre16, not both"):
+        ops.gelu_bias_backward(x, x, w, dpre=x, dpre16=cp.empty((N, C), cp.uint16))
+    _, mean, rstd = ops.layernorm_forward(x, w, w)
+    with pytest.raises(TypeError, match="^dx16: expected dtype uint16, got float32"):
+        ops.layernorm_backward(x, x, w, mean, rstd, dx16=x)
+    qkv = cp.zeros((1, 4, 3 * 64), cp.uint16)
+    out, lse = bf.attention_forward_bf16(qkv, 1)
+    with pytest.raises(ValueError, match="^dqkv16: expected an array starting on a 16-byte boundary"):
+        bf.attention_backward_bf16(out, qkv, out, lse, 1, dqkv16=misaligned(cp.zeros(qkv.shape, cp.uint16)))
+    with pytest.raises(TypeError, match="^dqkv16: expected dtype uint16, got float32"):
+        bf.attention_backward_bf16(out, qkv, out, lse, 1, dqkv16=cp.zeros(qkv.shape, cp.float32))
+
+
+def _cast_after(monkeypatch):
+    """The step as it ran before its kernels wrote bf16 themselves: each bf16 output made by writing the fp32 one
+    (the GELU's in place, as then) and casting it with mixed.cu's to_bf16. The bf16 weights need no stand-in:
+    test_fused_bf16_outputs_... compares each with the cast of its parameter."""
+    import cupy as cp
+    from step4_gpt2.train import ops
+    ln_f, gelu_b, ln_b, att_b = ops.layernorm_forward, ops.gelu_bias_backward, ops.layernorm_backward, \
+        bf.attention_backward_bf16
+
+    def layernorm_forward(*args, out16=None, **kw):
+        if out16 is None:
+            return ln_f(*args, **kw)
+        got = ln_f(*args, out=cp.empty(out16.shape, cp.float32), **kw)
+        return (*got[:-3], bf.to_bf16(got[-3], out=out16), *got[-2:])
+
+    def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None, dpre16=None):
+        if dpre16 is None:
+            return gelu_b(dout, h, bias, dpre=dpre, dbias=dbias)
+        _, dbias = gelu_b(dout, h, bias, dpre=dout, dbias=dbias)
+        return bf.to_bf16(dout, out=dpre16), dbias
+
+    def layernorm_backward(*args, dx16=None, **kw):
+        got = ln_b(*args, **kw)
+        if dx16 is not None:
+            bf.to_bf16(got[0], out=dx16)
+        return got
+
+    def attention_backward_bf16(*args, dqkv16=None, **kw):
+        dqkv = att_b(*args, **kw)
+        if dqkv16 is not None:
+            bf.to_bf16(dqkv, out=dqkv16)
+        return dqkv
+
+    for module, f in ((ops, layernorm_forward), (ops, gelu_bias_backward), (ops, layernorm_backward),
+                      (bf, attention_backward_bf16)):
+        monkeypatch.setattr(module, f.__name__, f)
+
+
+@gpu
+@pytest.mark.parametrize("cfg,recompute", [(TINY, False), (TINY, True),
+                                           (GPTConfig(n_layer=2, n_head=3, n_embd=96, vocab_size=101, block_size=24),
+                                            False)])
+def test_fused_bf16_outputs_give_the_cast_steps_loss_and_gradients_bit_for_bit(cfg, recompute, monkeypatch):
+    """A MixedGPT step with the bf16 copies written by their producers gives the loss and every gradient of the step
+    that wrote fp32 and cast it (_cast_after), bit for bit; the bf16 weights (wte's the LM head's copy, the rest
+    cast from the flat buffer after wte) are each the cast of its parameter. Odd vocabularies, C = 64 and 96."""
+    import cupy as cp
+    P = random_weights(cfg, 7, notice=False)
+    idx, tgt = batch(cfg, 3, 19, seed=7)
+
+    def step():
+        m = MX.MixedGPT(cfg, P, recompute=recompute)
+        loss = m.loss_and_grads(cp.asarray(idx), cp.asarray(tgt))
+        return m, loss.get(), {k: v.get() for k, v in m.grads.items()}
+
+    m, loss, grads = step()
+    assert m.flat16.size == m.flat.size - cfg.vocab_size * cfg.n_embd
+    assert m.params16["wte.weight"].data.ptr == m.head16.data.ptr
+    for k, w16 in m.params16.items():
+        assert _same_bits(w16, bf.to_bf16(cp.ascontiguousarray(m.params[k]))), k
+    _cast_after(monkeypatch)
+    _, want_loss, want = step()
+    assert _same_bits(loss, want_loss), (float(loss), float(want_loss))
+    for k in want:
+        assert _same_bits(grads[k], want[k]), k
 
 
 # ============================================================================ GPU: the model

@@ -79,12 +79,14 @@ def _ln_launch(kern, a):
 
 def _layernorm_backward_with(kern):
     """ops.layernorm_backward's signature, on the learner's kernel; the partial rows are added by the
-    course's column_finish (the same fixed order as the course's op)."""
+    course's column_finish (the same fixed order as the course's op). A bf16 copy of dx (dx16, which only the
+    bf16 model asks for) is the course's cast of the learner's dx."""
     import cupy as cp
     from common import expect_array, out_array
     from step4_gpt2.train import ops
 
-    def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, accumulate=False):
+    def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, accumulate=False,
+                           dx16=None):
         dy = expect_array(dy, "dy", dtype=np.float32, ndim=2)
         N, C = dy.shape
         dx = out_array(dx, (N, C), name="dx")
@@ -96,8 +98,15 @@ def _layernorm_backward_with(kern):
                               "partial": partial, "accumulate": int(bool(accumulate))})
         if C:
             ops._finish(partial, blocks, 2 * C, dweight, dbias, split=C)
+        if dx16 is not None:
+            _cast(dx, dx16)
         return dx, dweight, dbias
     return layernorm_backward
+
+
+def _cast(x, out16):
+    from step4_gpt2.train.ops_bf16 import to_bf16
+    return to_bf16(x, out=out16)
 
 
 def _course_ln(a):
@@ -131,18 +140,19 @@ def _gelu_launch(kern, a):
 
 
 def _gelu_bias_backward_with(kern):
-    """ops.gelu_bias_backward's signature, on the learner's kernel; dbias is the course's column_sum of dpre."""
+    """ops.gelu_bias_backward's signature, on the learner's kernel; dbias is the course's column_sum of dpre.
+    dpre16 (only the bf16 model asks for it): the learner's fp32 dpre, then the course's cast into it."""
     from common import expect_array, out_array
     from step4_gpt2.train import ops
 
-    def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None):
+    def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None, dpre16=None):
         dout = expect_array(dout, "dout", dtype=np.float32, ndim=2)
         rows, cols = dout.shape
         dpre = out_array(dpre, (rows, cols), name="dpre")
         if dout.size:
             _gelu_launch(kern, {"dout": dout, "h": h, "bias": bias, "dpre": dpre})
         dbias = ops.column_sum(dpre, out=dbias)
-        return dpre, dbias
+        return (dpre if dpre16 is None else _cast(dpre, dpre16)), dbias
     return gelu_bias_backward
 
 
