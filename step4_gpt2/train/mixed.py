@@ -52,7 +52,7 @@ VOCAB_ALIGN = 64              # the logits' rows are padded to a multiple of thi
 
 def padded_vocab(V: int) -> int:
     """V rounded up to VOCAB_ALIGN: the LM head's forward and input-gradient GEMMs run over this many vocabulary
-    rows (dwte's reads the first V columns of dlogits, the padded row length its leading dimension). cuBLAS's
+    rows (dwte's too, into a padded fp32 buffer, dhead, whose first V rows are copied out). cuBLAS's
     fast tensor-core kernels read and write 16 bytes at a time along a matrix's contiguous dimension, which must
     then be a multiple of 8 bf16 values; GPT-2's V = 50257 is odd, and the unpadded logits GEMMs ran on a
     fallback kernel several times slower. So MixedGPT keeps a bf16 copy of wte with zero rows past V (head16),
@@ -135,6 +135,7 @@ class MixedGPT(TrainGPT):
         self.precision, self.recompute = precision, bool(recompute)
         V, C = config.vocab_size, config.n_embd                   # the LM head's: wte's rows, then zeros
         self.head16 = cp.zeros((padded_vocab(V), C), cp.uint16)
+        self.dhead = cp.empty((padded_vocab(V), C), cp.float32)   # dwte's GEMM output over the padded rows
         names = list(self.shapes)
         if names[0] != "wte.weight":
             raise RuntimeError("MixedGPT: expected wte first in the flat buffer (weights.expected_shapes' order)")
@@ -230,8 +231,9 @@ class MixedGPT(TrainGPT):
         side = _Readers(self._weight_grad_stream(), cp.cuda.get_current_stream())
         dqkv = a.dqkv.reshape(N, 3 * C)
         bf.gemm_bf16(a.dlogits, self.head16, a.dln)                     # pad columns 0 times zero rows
-        with side.reading(a.dlogits, a.lnf):                             # the LM head's share of dwte: V rows
-            bf.gemm_bf16(a.dlogits[:, :cfg.vocab_size].T, a.lnf, G["wte.weight"])
+        with side.reading(a.dlogits, a.lnf):                             # the LM head's share of dwte
+            bf.gemm_bf16(a.dlogits.T, a.lnf, self.dhead)                 # padded rows: zero gradient columns
+            G["wte.weight"][...] = self.dhead[:cfg.vocab_size]
         side.writing(a.dres16m)
         ops.layernorm_backward(a.dln, a.resid[L], P["ln_f.weight"], a.m1[L], a.r1[L], dx=a.dres, dx16=a.dres16m,
                                dweight=G["ln_f.weight"], dbias=G["ln_f.bias"])
