@@ -8,9 +8,10 @@
 //   bias_to_bf16    y = bf16(x + bias[column]): the qkv GEMM's fp32 output with its bias, as the attention reads it.
 //   gelu_bias_bf16  y = bf16(gelu(x + bias[column])): the GELU in fp32, its output stored for the next GEMM
 //                   in half the bytes (and, with recomputation, made again in the backward from x).
-//   classifier_bf16 step 3's fused classifier (softmax + cross-entropy + gradient, one block per row) with the
-//                   gradient written in bf16 to a buffer of its own: the two LM-head GEMMs after it read bf16,
-//                   and an fp32 gradient would cost a write and a cast of the step's largest tensor.
+//   classifier_bf16 step 3's fused classifier (softmax + cross-entropy + gradient, one block per row) on bf16
+//                   logits, widened as read, in fp32 arithmetic, with the gradient written in bf16 to a buffer of
+//                   its own: the two LM-head GEMMs after it read bf16. The logits and their gradient are the
+//                   step's largest tensors; in fp32 they would cost twice the bytes written and read back.
 // The other activations and gradients a GEMM reads need no cast: the kernels that make them write bf16
 // themselves (train_gpt2.cu's LayerNorm forward and backward and GELU backward, attention_bf16.cu's backward),
 // where a cast would read 4 bytes and write 2 for each value its producer had just written in 4. All of them
@@ -72,26 +73,31 @@ extern "C" __global__ void gelu_bias_bf16(const float* __restrict__ x, const flo
         y[i] = bf16_bits(gelu_tanh(x[i] + bias[i % cols]));
 }
 
-// As step3_fused/train_forward.cu's classifier_fused in its training mode, without a bias: the loss of each row
-// from one online pass (running max, rescaled sum), then dz = bf16((softmax - onehot(target)) * scale), the same
-// fp32 value classifier_fused would store, rounded. z is only read. An out-of-range target gives NaN (loss and row).
-extern "C" __global__ void classifier_bf16(const float* __restrict__ z, const int* __restrict__ targets,
+// As step3_fused/train_forward.cu's classifier_fused in its training mode, without a bias, on bf16 logits z (the
+// LM head's GEMM writes them in bf16, as torch.autocast does): each logit is widened to fp32 (exactly), then the
+// loss of each row from one online pass (running max, rescaled sum), and dz = bf16((softmax - onehot(target)) *
+// scale), the fp32 value classifier_fused would store for the widened row, rounded. z is only read; dz null: the
+// losses alone (evaluation). An out-of-range target gives NaN (loss and row).
+__device__ __forceinline__ float widen(u16 b) { return __uint_as_float((unsigned)b << 16); }
+
+extern "C" __global__ void classifier_bf16(const u16* __restrict__ z, const int* __restrict__ targets,
                                            float* __restrict__ loss, u16* __restrict__ dz, int cols, float scale) {
     __shared__ float scratch[32];
-    const float* zr = z + (long long)blockIdx.x * cols;
-    u16* dr = dz + (long long)blockIdx.x * cols;
+    const u16* zr = z + (long long)blockIdx.x * cols;
     const int t = targets[blockIdx.x];
     const bool valid = t >= 0 && t < cols;
     float m = __int_as_float(0xff800000), s = 0.0f;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = zr[i];
+        const float v = widen(zr[i]);
         if (v > m) { s *= expf(m - v); m = v; }
         s += expf(v - m);
     }
     const float mb = block_max(m, scratch);
     s = block_sum(m == __int_as_float(0xff800000) ? 0.0f : s * expf(m - mb), scratch);
     const float lse = mb + logf(s);
-    if (threadIdx.x == 0) loss[blockIdx.x] = valid ? lse - zr[t] : __int_as_float(0x7fffffff);
+    if (threadIdx.x == 0) loss[blockIdx.x] = valid ? lse - widen(zr[t]) : __int_as_float(0x7fffffff);
+    if (dz == nullptr) return;
+    u16* dr = dz + (long long)blockIdx.x * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
-        dr[i] = valid ? bf16_bits((expf(zr[i] - lse) - (i == t ? 1.0f : 0.0f)) * scale) : (u16)0x7fc0;
+        dr[i] = valid ? bf16_bits((expf(widen(zr[i]) - lse) - (i == t ? 1.0f : 0.0f)) * scale) : (u16)0x7fc0;
 }

@@ -12,10 +12,12 @@ What changes against model.py's fp32 TrainGPT, and what does not:
   * Every GEMM multiplies bf16 on the tensor cores and accumulates in fp32 (cuBLAS, ops_bf16.gemm_bf16); the
     attention forward and backward run on bf16 tensor cores (attention_bf16.cu, sm_80+). The activations a GEMM
     reads are stored in bf16 (LayerNorm outputs, qkv, the attention output, the GELU output): half the bytes.
-  * LayerNorm, GELU, the softmax of the loss and their backward passes compute in fp32 on fp32 inputs (the
-    residual stream, the MLP pre-activation and the gradients they read stay fp32; the two gradients only a GEMM
-    reads, dlogits and the attention's dO, are written in bf16); weight gradients land in fp32 in the same flat
-    grads buffer, so the gradient norm, clipping and AdamW are unchanged.
+  * LayerNorm, GELU, the softmax of the loss and their backward passes compute in fp32 (the residual stream, the
+    MLP pre-activation and the gradients they read stay fp32; the two gradients only a GEMM reads, dlogits and
+    the attention's dO, are written in bf16); weight gradients land in fp32 in the same flat grads buffer, so the
+    gradient norm, clipping and AdamW are unchanged. One input of theirs is bf16: the logits, which the LM head's
+    GEMM writes in bf16 as torch.autocast's does (the step's largest tensor, with its gradient), and the
+    classifier widens as it reads them.
   * Where an fp32 kernel's output goes to a GEMM, that kernel writes the bf16 copy itself (ops.py's out16, dpre16,
     dx16, ops_bf16.attention_backward_bf16's dqkv16), rounded as ops_bf16.to_bf16 rounds: no cast kernel reads
     the fp32 value back, and the bits are the same. The LayerNorm outputs and the GELU's input gradient exist
@@ -40,6 +42,7 @@ import contextlib
 import numpy as np
 
 from common import expect_choice, require_gpu
+from step2_attention.flash import bf16_to_float32
 from step4_gpt2.train import ops
 from step4_gpt2.train import ops_bf16 as bf
 from step4_gpt2.train.model import TrainGPT
@@ -47,6 +50,7 @@ from step4_gpt2.weights import GPTConfig
 
 PRECISIONS = ("bf16",)        # TrainGPT is the fp32 model; MixedGPT adds bf16 (make_model picks)
 F32, BF16 = np.float32, np.uint16
+BF16_NEG_INF = 0xFF80         # -inf's bf16 bits (the pad logits)
 VOCAB_ALIGN = 64              # the logits' rows are padded to a multiple of this many columns (padded_vocab)
 
 
@@ -80,7 +84,7 @@ def _buffers(cfg: GPTConfig, B: int, T: int, recompute: bool) -> dict:
         "dres16m": (0, (N, C), BF16), "dres16a": (0, (N, C), BF16), "dh16": (0, (N, 4 * C), BF16),   # for the GEMMs
         "dqkv16": (0, (N, 3 * C), BF16),
         "datty": (0, (B, T, C), BF16), "dqkv": (0, (B, T, 3 * C), F32),
-        "delta": (0, (B, H, T), F32), "logits": (0, (N, padded_vocab(V)), F32),
+        "delta": (0, (B, H, T), F32), "logits": (0, (N, padded_vocab(V)), BF16),
         "dlogits": (0, (N, padded_vocab(V)), BF16),
         "losses": (0, (N,), F32), "mt": (0, (N,), F32), "rt": (0, (N,), F32),    # recomputation's mean, rstd
     }
@@ -188,14 +192,13 @@ class MixedGPT(TrainGPT):
             self._ln(a.resid2[i], lw, lb, a.lnf if last else a.ln1[i + 1], a.m1[i + 1], a.r1[i + 1], y=a.tmp,
                      ybias=p(i, "mlp.c_proj.bias"), resid=a.resid[i + 1])
         V = cfg.vocab_size
-        bf.gemm_bf16(a.lnf, self.head16.T, a.logits)
-        a.logits[:, V:].fill(-np.inf)            # the pad columns (zeros from head16's zero rows): out of the softmax
+        bf.gemm_bf16(a.lnf, self.head16.T, a.logits)  # in bf16, as torch.autocast's: the step's largest tensor
+        a.logits[:, V:].fill(BF16_NEG_INF)       # the pad columns (zeros from head16's zero rows): out of the softmax
         if targets is None:
-            return a.logits[:, :V].copy().reshape(B, T, V)
-        if grad:                                 # the gradient straight to bf16, where the GEMMs read it
-            losses = bf.classifier_bf16(a.logits, targets.reshape(N), losses=a.losses, dlogits=a.dlogits)
-        else:
-            losses = ops.classifier(a.logits, targets.reshape(N), losses=a.losses, grad=False)
+            return bf16_to_float32(a.logits[:, :V]).reshape(B, T, V)
+        # the gradient straight to bf16, where the GEMMs read it
+        losses = bf.classifier_bf16(a.logits, targets.reshape(N), losses=a.losses, dlogits=a.dlogits if grad else None,
+                                    grad=grad)
         self._a = a if grad else None
         return losses.mean()
 

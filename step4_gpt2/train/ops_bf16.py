@@ -139,19 +139,22 @@ def gemm_bf16(a, b, out=None, accumulate: bool = False):
     return out
 
 
-def classifier_bf16(logits, targets, losses=None, dlogits=None, scale: float | None = None):
-    """Per-row losses of logits (N, V) float32 (read only) against targets (N,) int32, and dlogits (N, V) bf16 =
-    (softmax - onehot) * scale (default 1/N): step 3's fused classifier with its gradient in bf16, one block per
-    row. Returns losses."""
+def classifier_bf16(logits, targets, losses=None, dlogits=None, scale: float | None = None, grad: bool = True):
+    """Per-row losses of logits (N, V) bf16 (uint16, read only; widened to fp32 as read) against targets (N,)
+    int32, and with grad, dlogits (N, V) bf16 = (softmax - onehot) * scale (default 1/N): step 3's fused
+    classifier on bf16 logits with its gradient in bf16, one block per row. Returns losses."""
     from step3_fused.training import _row_block
-    logits = expect_array(logits, "logits", dtype=np.float32, ndim=2)
+    logits = _bf16(logits, "logits", ndim=2)
     N, V = logits.shape
     targets = expect_array(targets, "targets", dtype=np.int32, shape=(N,))
     losses = out_array(losses, (N,), name="losses")
-    dlogits = out_array(dlogits, (N, V), np.uint16, name="dlogits")
+    if grad:
+        dlogits = out_array(dlogits, (N, V), np.uint16, name="dlogits")
+    elif dlogits is not None:
+        raise ValueError("dlogits: pass it with grad=True only (grad=False computes the losses alone)")
     if N and V:
-        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, dlogits, np.int32(V),
-                                                            np.float32(1.0 / N if scale is None else scale)))
+        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, dlogits if grad else np.uint64(0),
+                                                            np.int32(V), np.float32(1.0 / N if scale is None else scale)))
     return losses
 
 

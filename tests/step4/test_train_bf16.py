@@ -216,23 +216,29 @@ def test_gemm_bf16_reads_the_transposed_columns_of_a_wider_buffer(m, n, ld):
 @gpu
 @pytest.mark.parametrize("N,V,pad", [(1, 37, 0), (5, 65, 63), (33, 1001, 23), (4, 50257, 47)])
 def test_classifier_bf16_is_the_fp32_classifiers_gradient_rounded(N, V, pad):
-    """The same losses as step 3's fused classifier on the same rows and, bit for bit, its fp32 gradient rounded to
-    bf16; pad columns of -inf (mixed.py's padded logits rows) get a zero gradient; float64 reference. (A longer row
-    is reduced by a bigger block, in another order: compare padded with padded.)"""
+    """On bf16 logits: the same losses as step 3's fused classifier on the same rows widened to fp32 and, bit for
+    bit, its fp32 gradient rounded to bf16; pad columns of -inf (mixed.py's padded logits rows) get a zero
+    gradient; grad=False gives the same losses and writes no gradient; float64 reference. (A longer row is
+    reduced by a bigger block, in another order: compare padded with padded.)"""
     import cupy as cp
+    from step2_attention.flash import to_bf16
     from step4_gpt2.train import ops
-    z = rand((N, V), seed=8, scale=4.0)
+    z = bf16_round(rand((N, V), seed=8, scale=4.0)).astype(np.float32)    # as the bf16 LM head stores it
     t = np.random.default_rng(8).integers(0, V, N).astype(np.int32)
     zp = np.concatenate([z, np.full((N, pad), -np.inf, np.float32)], axis=1)
+    zb = to_bf16(cuda(zp))                                     # exact: every value is a bf16 already
     losses = poison(cp.empty(N, cp.float32))
     dz = poison(cp.empty((N, V + pad), cp.uint16))
-    got = bf.classifier_bf16(cuda(zp), cuda(t), losses=losses, dlogits=dz)
+    got = bf.classifier_bf16(zb, cuda(t), losses=losses, dlogits=dz)
     assert got is losses
     z32 = cuda(zp)
     want = ops.classifier(z32, cuda(t)).get()                 # z32 now holds the fp32 gradient
     np.testing.assert_array_equal(losses.get(), want)
     dz = from_bf16(dz)
     assert np.array_equal(dz, bf16_round(z32.get())) and np.array_equal(dz[:, V:], np.zeros((N, pad)))
+    only = poison(cp.empty(N, cp.float32))
+    bf.classifier_bf16(zb, cuda(t), losses=only, grad=False)
+    np.testing.assert_array_equal(only.get(), want)
     z64 = z.astype(np.float64)
     lse = np.log(np.exp(z64 - z64.max(1, keepdims=True)).sum(1)) + z64.max(1)
     assert_close(losses, lse - z64[np.arange(N), t], rtol=1e-5)
@@ -244,9 +250,13 @@ def test_classifier_bf16_is_the_fp32_classifiers_gradient_rounded(N, V, pad):
 @gpu
 def test_classifier_bf16_names_its_arguments():
     import cupy as cp
-    z = cp.zeros((3, 10), cp.float32)
+    z = cp.zeros((3, 10), cp.uint16)
+    with pytest.raises(TypeError, match="logits: expected dtype uint16"):
+        bf.classifier_bf16(cp.zeros((3, 10), cp.float32), cp.zeros(3, cp.int32))
     with pytest.raises(TypeError, match="targets: expected dtype int32"):
         bf.classifier_bf16(z, cp.zeros(3, cp.int64))
+    with pytest.raises(ValueError, match="dlogits: pass it with grad=True only"):
+        bf.classifier_bf16(z, cp.zeros(3, cp.int32), dlogits=cp.empty((3, 10), cp.uint16), grad=False)
     with pytest.raises(ValueError, match="dlogits: expected shape"):
         bf.classifier_bf16(z, cp.zeros(3, cp.int32), dlogits=cp.empty((3, 9), cp.uint16))
 
