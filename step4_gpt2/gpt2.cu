@@ -29,10 +29,10 @@
 //                       LayerNorm prologue (each block normalises the B input rows into shared memory while
 //                       its weight loads are in flight) and a residual epilogue (x += y + bias, in place).
 //                       At batch 1 ops launches a module compiled with MAXB=1: acc[ROWS][MAXB] and the batch
-//                       loop shrink to one row (sm_90: 80-108 registers instead of 122-128), so more blocks
-//                       are resident. x is read as at MAXB=8; copying it to shared memory without LN too
-//                       would delay every block's first FMA and was not faster. The same products, summed
-//                       in the same order.
+//                       loop shrink to one row (sm_90: 80-108 registers instead of 122-128), more blocks are
+//                       resident, and with no branch on b < B and continue (not break) past a lane's slice,
+//                       x's loads can issue ahead of the FMAs (staging x in shared memory was slower). The
+//                       same products, summed in the same order.
 //   argmax_v1           greedy choice per row (first index on ties, like torch.argmax), and optionally
 //                       advance each sequence's position, all on the device.
 //   argmax_v2           the same with ARGMAX_BATCH 16-byte loads in flight per thread (v1 waits for one

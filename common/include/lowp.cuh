@@ -1,8 +1,8 @@
 // lowp.cuh - bf16 and int8 weights widened to float in registers: the one place the course does it
 // (step4_gpt2/gemv_lowp.cu's GEMVs and the megakernel's GEMV tiles both read their weights through it); and the
-// way back, fp32 rounded to bf16 bits, which every kernel of mixed-precision training that writes bf16 shares
-// (step4_gpt2/train: mixed.cu's casts, train_gpt2.cu's LayerNorm and GELU backward, attention_bf16.cu's dqkv), so
-// that a value fused into the kernel that makes it gets the bits a separate cast would have given it.
+// way back, fp32 rounded to bf16 bits, shared by mixed.cu's casts and the kernels that replaced a cast
+// (step4_gpt2/train: train_gpt2.cu's LayerNorm forward and backward and GELU backward, attention_bf16.cu's dqkv16),
+// so that a value fused into the kernel that makes it gets the bits a separate cast would have given it.
 //
 // A weight is stored in fewer bytes and computed with in fp32: the load brings 8 (bf16) or 16 (int8) weights in
 // 16 bytes, and each is widened after the load, where it costs instructions but no bandwidth. The widening must

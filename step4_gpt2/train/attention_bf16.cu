@@ -20,8 +20,8 @@
 //                           its first key: S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T,
 //                           dS^T = P^T (dP^T - delta), dK += dS^T Q. Every product is one of the forward's shapes.
 //   attention_dq_bf16       a warp owns 16 queries: recomputes S and dP over the key tiles, dQ += dS K.
-//   dqkv16                  both write their part of dqkv in fp32 and, for mixed.py's qkv GEMMs, in bf16 from the
-//                           same registers: the bits a cast would give, without reading dqkv back.
+//                           dkv and dq write their parts of dqkv in fp32 and, given dqkv16, in bf16 too, from
+//                           the same registers (Layouts).
 // Recompute or store? attention_tc.cu writes dS to memory once for its dQ kernel; at one mma per product, the
 // two products dq recomputes cost less than the round trip of dS through DRAM, and the kernels stay simpler.
 // Each output row has one owner: no atomics, the same bits every run.

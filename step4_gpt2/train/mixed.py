@@ -13,11 +13,12 @@ What changes against model.py's fp32 TrainGPT, and what does not:
     attention forward and backward run on bf16 tensor cores (attention_bf16.cu, sm_80+). The activations a GEMM
     reads are stored in bf16 (LayerNorm outputs, qkv, the attention output, the GELU output): half the bytes.
   * LayerNorm, GELU, the softmax of the loss and their backward passes compute in fp32 (the residual stream, the
-    MLP pre-activation and the gradients they read stay fp32; the two gradients only a GEMM reads, dlogits and
-    the attention's dO, are written in bf16); weight gradients land in fp32 in the same flat grads buffer, so the
-    gradient norm, clipping and AdamW are unchanged. One input of theirs is bf16: the logits, which the LM head's
-    GEMM writes in bf16 as torch.autocast's does (the step's largest tensor, with its gradient), and the
-    classifier widens as it reads them.
+    MLP pre-activation and the gradients they read stay fp32; the gradients only a GEMM reads, dlogits, the
+    attention's dO and the GELU's input gradient, are written in bf16 alone); weight gradients land in fp32 in the
+    same flat grads buffer, so the gradient norm, clipping and AdamW are unchanged. One input of theirs is bf16:
+    the logits, which the LM head's GEMM writes in bf16 as torch.autocast's does (the step's largest tensor, with
+    its gradient), and the classifier widens as it reads them; evaluation's losses and forward(idx)'s logits come
+    from them too.
   * Where an fp32 kernel's output goes to a GEMM, that kernel writes the bf16 copy itself (ops.py's out16, dpre16,
     dx16, ops_bf16.attention_backward_bf16's dqkv16), rounded as ops_bf16.to_bf16 rounds: no cast kernel reads
     the fp32 value back, and the bits are the same. The LayerNorm outputs and the GELU's input gradient exist
@@ -196,7 +197,7 @@ class MixedGPT(TrainGPT):
         a.logits[:, V:].fill(BF16_NEG_INF)       # the pad columns (zeros from head16's zero rows): out of the softmax
         if targets is None:
             return bf16_to_float32(a.logits[:, :V]).reshape(B, T, V)
-        # the gradient straight to bf16, where the GEMMs read it
+        # fp32 arithmetic on the widened logits; the gradient straight to bf16, where the GEMMs read it
         losses = bf.classifier_bf16(a.logits, targets.reshape(N), losses=a.losses, dlogits=a.dlogits if grad else None,
                                     grad=grad)
         self._a = a if grad else None

@@ -55,8 +55,8 @@ def _grid4(n: int) -> tuple[int]:
 
 def to_bf16(x, out=None):
     """out (uint16, x's shape) = bf16(x), round to nearest even (flash.to_bf16's bits for every number; a NaN
-    stays NaN, which flash.to_bf16 would round into another value). x contiguous float32: the flat parameter
-    buffer once per step. The kernels whose outputs a bf16 GEMM reads next write these same bits themselves
+    stays NaN, which flash.to_bf16 would round into another value). x contiguous float32: the parameters once per
+    step (wte into the LM head's padded copy, the rest of the flat buffer in a second launch). The kernels whose outputs a bf16 GEMM reads next write these same bits themselves
     (ops.py's out16, dpre16, dx16; attention_backward_bf16's dqkv16)."""
     x = expect_array(x, "x", dtype=np.float32)
     out = out_array(out, x.shape, np.uint16)
