@@ -76,8 +76,7 @@ def programmatic(on: bool = True):
     sm_90, and for the kernels of steps 2 and 3 this module re-exports (decode attention, LayerNorm), launches
     stay plain. Either way the results are the same, as long as no kernel writes a GEMV's weights (gemv_v5/v6/v7
     load their first weights before they wait; v3/v4 wait first); a CUDA graph captured inside keeps the early
-    starts. The switch
-    is this module's state, not a thread's: one thread decodes at a time."""
+    starts. The switch is this module's state, not a thread's: one thread decodes at a time."""
     global _programmatic
     before, _programmatic = _programmatic, bool(on)
     try:

@@ -18,6 +18,7 @@ __device__ __forceinline__ unsigned word(const uint4& u, int i) {
 // Four bf16 weights (two per word, little-endian: the low half is the earlier weight) as floats, exactly: a
 // bf16 is the top half of a float32, so widening it is a shift (plain integer work, on every GPU the course
 // supports; no sm_80 instruction).
+__device__ __forceinline__ float bf16_to_float(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
 __device__ __forceinline__ float4 bf16x4_to_float4(unsigned a, unsigned b) {
     return make_float4(__uint_as_float(a << 16), __uint_as_float(a & 0xffff0000u),
                        __uint_as_float(b << 16), __uint_as_float(b & 0xffff0000u));

@@ -21,7 +21,8 @@
 // are aligned for it, and one at a time otherwise: these kernels only stream, and with a 4-byte load and a 2-byte
 // store per thread they moved less than a third of the DRAM's bandwidth in a GPT-2 124M step (Nsight Compute).
 #include "course.cuh"       // gelu_tanh: the same formula as train_gpt2.cu's fp32 GELU
-#include "lowp.cuh"         // bf16_bits, bf16x4_bits: the rounding every bf16 output of the step shares
+#include "lowp.cuh"         // bf16_bits, bf16x4_bits: the rounding every bf16 output of the step shares;
+                            // bf16_to_float: the logits' widening
 
 typedef unsigned short u16;
 
@@ -78,7 +79,6 @@ extern "C" __global__ void gelu_bias_bf16(const float* __restrict__ x, const flo
 // loss of each row from one online pass (running max, rescaled sum), and dz = bf16((softmax - onehot(target)) *
 // scale), the fp32 value classifier_fused would store for the widened row, rounded. z is only read; dz null: the
 // losses alone (evaluation). An out-of-range target gives NaN (loss and row).
-__device__ __forceinline__ float widen(u16 b) { return __uint_as_float((unsigned)b << 16); }
 
 extern "C" __global__ void classifier_bf16(const u16* __restrict__ z, const int* __restrict__ targets,
                                            float* __restrict__ loss, u16* __restrict__ dz, int cols, float scale) {
@@ -88,16 +88,16 @@ extern "C" __global__ void classifier_bf16(const u16* __restrict__ z, const int*
     const bool valid = t >= 0 && t < cols;
     float m = __int_as_float(0xff800000), s = 0.0f;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = widen(zr[i]);
+        const float v = bf16_to_float(zr[i]);
         if (v > m) { s *= expf(m - v); m = v; }
         s += expf(v - m);
     }
     const float mb = block_max(m, scratch);
     s = block_sum(m == __int_as_float(0xff800000) ? 0.0f : s * expf(m - mb), scratch);
     const float lse = mb + logf(s);
-    if (threadIdx.x == 0) loss[blockIdx.x] = valid ? lse - widen(zr[t]) : __int_as_float(0x7fffffff);
+    if (threadIdx.x == 0) loss[blockIdx.x] = valid ? lse - bf16_to_float(zr[t]) : __int_as_float(0x7fffffff);
     if (dz == nullptr) return;
     u16* dr = dz + (long long)blockIdx.x * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
-        dr[i] = valid ? bf16_bits((expf(widen(zr[i]) - lse) - (i == t ? 1.0f : 0.0f)) * scale) : (u16)0x7fc0;
+        dr[i] = valid ? bf16_bits((expf(bf16_to_float(zr[i]) - lse) - (i == t ? 1.0f : 0.0f)) * scale) : (u16)0x7fc0;
 }

@@ -21,6 +21,7 @@ from common import expect_array, get_kernel, launch_grid, out_array, require_arc
 from common.cublas import _ALPHA, _BETA, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_32F, \
     WORKSPACE_BYTES, _check, _cublas, _handle
 from common.graphs import cublas_call
+from step4_gpt2.train.ops import _or_null
 
 CU_MIXED = Path(__file__).resolve().parent / "mixed.cu"
 CU_BF16 = Path(__file__).resolve().parent / "attention_bf16.cu"
@@ -56,8 +57,9 @@ def _grid4(n: int) -> tuple[int]:
 def to_bf16(x, out=None):
     """out (uint16, x's shape) = bf16(x), round to nearest even (flash.to_bf16's bits for every number; a NaN
     stays NaN, which flash.to_bf16 would round into another value). x contiguous float32: the parameters once per
-    step (wte into the LM head's padded copy, the rest of the flat buffer in a second launch). The kernels whose outputs a bf16 GEMM reads next write these same bits themselves
-    (ops.py's out16, dpre16, dx16; attention_backward_bf16's dqkv16)."""
+    step (wte into the LM head's padded copy, the rest of the flat buffer in a second launch). The kernels whose
+    outputs a bf16 GEMM reads next write these same bits themselves (ops.py's out16, dpre16, dx16;
+    attention_backward_bf16's dqkv16)."""
     x = expect_array(x, "x", dtype=np.float32)
     out = out_array(out, x.shape, np.uint16)
     if x.size:
@@ -153,7 +155,7 @@ def classifier_bf16(logits, targets, losses=None, dlogits=None, scale: float | N
     elif dlogits is not None:
         raise ValueError("dlogits: pass it with grad=True only (grad=False computes the losses alone)")
     if N and V:
-        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, dlogits if grad else np.uint64(0),
+        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, dlogits if grad else _or_null(None),
                                                             np.int32(V), np.float32(1.0 / N if scale is None else scale)))
     return losses
 
@@ -220,7 +222,7 @@ def attention_backward_bf16(dout, qkv, out, lse, n_head: int, dqkv=None, delta=N
     rows = B * H * T
     _att("attention_delta_bf16", D)(launch_grid(rows * 32, BLOCK), (BLOCK,),
                                     (dout, out, delta, np.int32(T), np.int32(H), np.int64(rows)))
-    args = (qkv, dout, lse, delta, dqkv, np.uint64(0) if dqkv16 is None else dqkv16, np.int32(T), np.int32(H),
+    args = (qkv, dout, lse, delta, dqkv, _or_null(dqkv16), np.int32(T), np.int32(H),
             np.float32(1 / math.sqrt(D)))
     grid = (-(-T // ROWS), B * H)
     _att("attention_dkv_bf16", D)(grid, (THREADS,), args)

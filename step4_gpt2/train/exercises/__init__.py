@@ -84,6 +84,7 @@ def _layernorm_backward_with(kern):
     import cupy as cp
     from common import expect_array, out_array
     from step4_gpt2.train import ops
+    from step4_gpt2.train.ops_bf16 import to_bf16
 
     def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, accumulate=False,
                            dx16=None):
@@ -99,14 +100,9 @@ def _layernorm_backward_with(kern):
         if C:
             ops._finish(partial, blocks, 2 * C, dweight, dbias, split=C)
         if dx16 is not None:
-            _cast(dx, dx16)
+            to_bf16(dx, out=dx16)
         return dx, dweight, dbias
     return layernorm_backward
-
-
-def _cast(x, out16):
-    from step4_gpt2.train.ops_bf16 import to_bf16
-    return to_bf16(x, out=out16)
 
 
 def _course_ln(a):
@@ -144,6 +140,7 @@ def _gelu_bias_backward_with(kern):
     dpre16 (only the bf16 model asks for it): the learner's fp32 dpre, then the course's cast into it."""
     from common import expect_array, out_array
     from step4_gpt2.train import ops
+    from step4_gpt2.train.ops_bf16 import to_bf16
 
     def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None, dpre16=None):
         dout = expect_array(dout, "dout", dtype=np.float32, ndim=2)
@@ -152,7 +149,7 @@ def _gelu_bias_backward_with(kern):
         if dout.size:
             _gelu_launch(kern, {"dout": dout, "h": h, "bias": bias, "dpre": dpre})
         dbias = ops.column_sum(dpre, out=dbias)
-        return (dpre if dpre16 is None else _cast(dpre, dpre16)), dbias
+        return (dpre if dpre16 is None else to_bf16(dpre, out=dpre16)), dbias
     return gelu_bias_backward
 
 
