@@ -1,13 +1,16 @@
-// mixed.cu - the casts of mixed-precision training (mixed.py): fp32 in, bf16 (uint16 bit patterns) out.
+// mixed.cu - the casts and bias kernels of mixed-precision training (mixed.py): bf16 out (uint16 bit patterns).
 //
 // A bf16 GEMM reads bf16 operands; everything else of the step (LayerNorm, GELU, the loss, AdamW) computes in
 // fp32. These kernels are where the two meet, one idea more each:
 //   to_bf16         y = bf16(x): the weights' bf16 copy, one launch for wte (into the LM head's padded copy)
 //                   and one over the rest of the flat parameter buffer. Round to nearest even (flash.to_bf16's
 //                   bits); a NaN stays NaN.
-//   bias_to_bf16    y = bf16(x + bias[column]): the qkv GEMM's fp32 output with its bias, as the attention reads it.
-//   gelu_bias_bf16  y = bf16(gelu(x + bias[column])): the GELU in fp32, its output stored for the next GEMM
-//                   in half the bytes (and, with recomputation, made again in the backward from x).
+//   bias_bf16       y = bf16(y + bias[column]) in place, y bf16: the bias of the qkv GEMM, which writes bf16
+//                   itself (cuBLAS rounds its fp32 sums once; an fp32 output would cost twice the bytes written,
+//                   then read back by a cast).
+//   gelu_bias_bf16  y = bf16(gelu(x + bias[column])), x bf16 (the c_fc GEMM's output, bias not yet added, stored
+//                   for the backward in half the bytes): the sum and the GELU in fp32, the output for the next
+//                   GEMM in bf16 (and, with recomputation, made again in the backward from x).
 //   classifier_bf16 step 3's fused classifier (softmax + cross-entropy + gradient, one block per row) on bf16
 //                   logits, widened as read, in fp32 arithmetic, with the gradient written in bf16 to a buffer of
 //                   its own: the two LM-head GEMMs after it read bf16. The logits and their gradient are the
@@ -17,17 +20,19 @@
 // where a cast would read 4 bytes and write 2 for each value its producer had just written in 4. All of them
 // round with common/include/lowp.cuh's bf16_bits, so a fused output has the bits to_bf16 would give it.
 // Grid-stride loops over n elements (common.launch_grid); every architecture (bit operations only).
-// Each thread casts four neighbours at a time (one 16-byte load of x, one 8-byte store of four bf16) where x and y
-// are aligned for it, and one at a time otherwise: these kernels only stream, and with a 4-byte load and a 2-byte
-// store per thread they moved less than a third of the DRAM's bandwidth in a GPT-2 124M step (Nsight Compute).
+// Each thread takes four neighbours at a time (a 16-byte load of fp32 x or an 8-byte one of bf16, an 8-byte store
+// of four bf16) where x and y are aligned for it, and one at a time otherwise: these kernels only stream, and with
+// a 4-byte load and a 2-byte store per thread they moved less than a third of the DRAM's bandwidth in a GPT-2
+// 124M step (Nsight Compute).
 #include "course.cuh"       // gelu_tanh: the same formula as train_gpt2.cu's fp32 GELU
 #include "lowp.cuh"         // bf16_bits, bf16x4_bits: the rounding every bf16 output of the step shares;
-                            // bf16_to_float: the logits' widening
+                            // bf16_to_float, bf16x4_to_float4: the widening of a bf16 input
 
 typedef unsigned short u16;
 
-__device__ __forceinline__ bool vec4(const void* x, const void* y) {
-    return ((reinterpret_cast<unsigned long long>(x) & 15) | (reinterpret_cast<unsigned long long>(y) & 7)) == 0;
+__device__ __forceinline__ bool vec4(const void* x, const void* y, unsigned xalign = 16) {
+    return ((reinterpret_cast<unsigned long long>(x) & (xalign - 1)) | (reinterpret_cast<unsigned long long>(y) & 7))
+           == 0;
 }
 
 #define GRID_STRIDE const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x, \
@@ -47,31 +52,32 @@ extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict_
 // The bias kernels: element i is in column i % cols; a thread's four neighbours may wrap into the next row.
 __device__ __forceinline__ int next_col(int c, int cols) { return c + 1 == cols ? 0 : c + 1; }
 
-extern "C" __global__ void bias_to_bf16(const float* __restrict__ x, const float* __restrict__ bias,
-                                        u16* __restrict__ y, long long n, int cols) {
+extern "C" __global__ void bias_bf16(u16* __restrict__ y, const float* __restrict__ bias, long long n, int cols) {
     GRID_STRIDE;
-    const long long n4 = vec4(x, y) ? n / 4 : 0;
+    const long long n4 = vec4(y, y, 8) ? n / 4 : 0;
     for (long long v = tid; v < n4; v += stride) {
-        const float4 a = reinterpret_cast<const float4*>(x)[v];
+        const uint2 u = reinterpret_cast<const uint2*>(y)[v];
+        const float4 a = bf16x4_to_float4(u.x, u.y);
         const int c0 = (int)(4 * v % cols), c1 = next_col(c0, cols), c2 = next_col(c1, cols), c3 = next_col(c2, cols);
         reinterpret_cast<uint2*>(y)[v] = bf16x4_bits(a.x + bias[c0], a.y + bias[c1], a.z + bias[c2], a.w + bias[c3]);
     }
     for (long long i = 4 * n4 + tid; i < n; i += stride)
-        y[i] = bf16_bits(x[i] + bias[i % cols]);
+        y[i] = bf16_bits(bf16_to_float(y[i]) + bias[i % cols]);
 }
 
-extern "C" __global__ void gelu_bias_bf16(const float* __restrict__ x, const float* __restrict__ bias,
+extern "C" __global__ void gelu_bias_bf16(const u16* __restrict__ x, const float* __restrict__ bias,
                                           u16* __restrict__ y, long long n, int cols) {
     GRID_STRIDE;
-    const long long n4 = vec4(x, y) ? n / 4 : 0;
+    const long long n4 = vec4(x, y, 8) ? n / 4 : 0;
     for (long long v = tid; v < n4; v += stride) {
-        const float4 a = reinterpret_cast<const float4*>(x)[v];
+        const uint2 u = reinterpret_cast<const uint2*>(x)[v];
+        const float4 a = bf16x4_to_float4(u.x, u.y);
         const int c0 = (int)(4 * v % cols), c1 = next_col(c0, cols), c2 = next_col(c1, cols), c3 = next_col(c2, cols);
         reinterpret_cast<uint2*>(y)[v] = bf16x4_bits(gelu_tanh(a.x + bias[c0]), gelu_tanh(a.y + bias[c1]),
                                                      gelu_tanh(a.z + bias[c2]), gelu_tanh(a.w + bias[c3]));
     }
     for (long long i = 4 * n4 + tid; i < n; i += stride)
-        y[i] = bf16_bits(gelu_tanh(x[i] + bias[i % cols]));
+        y[i] = bf16_bits(gelu_tanh(bf16_to_float(x[i]) + bias[i % cols]));
 }
 
 // As step3_fused/train_forward.cu's classifier_fused in its training mode, without a bias, on bf16 logits z (the

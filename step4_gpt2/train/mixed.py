@@ -12,19 +12,19 @@ What changes against model.py's fp32 TrainGPT, and what does not:
   * Every GEMM multiplies bf16 on the tensor cores and accumulates in fp32 (cuBLAS, ops_bf16.gemm_bf16); the
     attention forward and backward run on bf16 tensor cores (attention_bf16.cu, sm_80+). The activations a GEMM
     reads are stored in bf16 (LayerNorm outputs, qkv, the attention output, the GELU output): half the bytes.
-  * LayerNorm, GELU, the softmax of the loss and their backward passes compute in fp32 (the residual stream, the
-    MLP pre-activation and the gradients they read stay fp32; the gradients only a GEMM reads, dlogits, the
-    attention's dO and the GELU's input gradient, are written in bf16 alone); weight gradients land in fp32 in the
-    same flat grads buffer, so the gradient norm, clipping and AdamW are unchanged. One input of theirs is bf16:
-    the logits, which the LM head's GEMM writes in bf16 as torch.autocast's does (the step's largest tensor, with
-    its gradient), and the classifier widens as it reads them; evaluation's losses and forward(idx)'s logits come
-    from them too.
+  * LayerNorm, GELU, the softmax of the loss and their backward passes compute in fp32 (the residual stream and
+    the gradients they read stay fp32; the gradients only a GEMM reads, dlogits, the attention's dO and the GELU's
+    input gradient, are written in bf16 alone); weight gradients land in fp32 in the same flat grads buffer, so
+    the gradient norm, clipping and AdamW are unchanged. Two inputs of theirs are bf16, as a GEMM wrote them (as
+    torch.autocast's GEMMs write theirs), widened as read: the logits (the step's largest tensor, with its
+    gradient), from which evaluation's losses and forward(idx)'s logits come too, and the MLP's pre-activation
+    (the c_fc GEMM's output; its bias is added in fp32 by the GELU and the GELU backward).
   * Where an fp32 kernel's output goes to a GEMM, that kernel writes the bf16 copy itself (ops.py's out16, dpre16,
     dx16, ops_bf16.attention_backward_bf16's dqkv16), rounded as ops_bf16.to_bf16 rounds: no cast kernel reads
     the fp32 value back, and the bits are the same. The LayerNorm outputs and the GELU's input gradient exist
     only in bf16; the residual stream's gradient and dqkv are written in both, the fp32 values for the bias sums
-    and the LayerNorm backward that adds into dres. Still cast after they are written: the weights (to_bf16) and
-    the qkv GEMM's fp32 output (bias_to_bf16, which adds the bias as it casts).
+    and the LayerNorm backward that adds into dres. Still cast after they are written: the weights (to_bf16). The
+    qkv GEMM writes bf16 and its bias is added in place (bias_bf16).
 
 No loss scaling. fp16 training multiplies the loss by a large factor (and divides the gradients back) because
 fp16 has 5 exponent bits: gradients below about 6e-8 flush to zero. bf16 has fp32's 8 exponent bits, the same
@@ -77,10 +77,10 @@ def _buffers(cfg: GPTConfig, B: int, T: int, recompute: bool) -> dict:
         "m1": (L + 1, (N,), F32), "r1": (L + 1, (N,), F32), "m2": (L, (N,), F32), "r2": (L, (N,), F32),
         "ln1": (kept, (N, C), BF16), "ln2": (kept, (N, C), BF16),            # what the GEMMs read: bf16
         "qkv": (L, (B, T, 3 * C), BF16), "atty": (L, (B, T, C), BF16), "lse": (L, (B, H, T), F32),
-        "pre": (L, (N, 4 * C), F32),                                          # GELU's input, fp32
+        "pre": (L, (N, 4 * C), BF16),                                         # GELU's input, before its bias
         "h": (kept, (N, 4 * C), BF16),
         "lnf": (0, (N, C), BF16),
-        "tmp": (0, (N, C), F32), "f3": (0, (N, 3 * C), F32),
+        "tmp": (0, (N, C), F32),
         "dres": (0, (N, C), F32), "dln": (0, (N, C), F32), "dh": (0, (N, 4 * C), F32),
         "dres16m": (0, (N, C), BF16), "dres16a": (0, (N, C), BF16), "dh16": (0, (N, 4 * C), BF16),   # for the GEMMs
         "dqkv16": (0, (N, 3 * C), BF16),
@@ -179,8 +179,8 @@ class MixedGPT(TrainGPT):
         x = ops.encoder_forward(idx, P["wte.weight"], P["wpe.weight"], out=a.resid[0])
         self._ln(x, p(0, "ln_1.weight"), p(0, "ln_1.bias"), a.ln1[0], a.m1[0], a.r1[0])
         for i in range(L):
-            bf.gemm_bf16(a.ln1[i], w(i, "attn.c_attn.weight"), a.f3)
-            bf.bias_to_bf16(a.f3, p(i, "attn.c_attn.bias"), out=a.qkv[i].reshape(N, 3 * C))
+            bf.bias_bf16(bf.gemm_bf16(a.ln1[i], w(i, "attn.c_attn.weight"), a.qkv[i].reshape(N, 3 * C)),
+                         p(i, "attn.c_attn.bias"))
             bf.attention_forward_bf16(a.qkv[i], H, out=a.atty[i], lse=a.lse[i])
             bf.gemm_bf16(a.atty[i].reshape(N, C), w(i, "attn.c_proj.weight"), a.tmp)
             self._ln(a.resid[i], p(i, "ln_2.weight"), p(i, "ln_2.bias"), a.ln2[i], a.m2[i], a.r2[i], y=a.tmp,

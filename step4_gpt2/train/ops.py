@@ -40,10 +40,10 @@ ATT_DEFINES = {"ATT_ROWS": ATT_ROWS}
 LN_VECS = (1, 2, 3, 4, 6, 8)          # the LayerNorms' _vec kernels: float4 per lane (C <= 128 * VEC)
 # for tests/test_compile.py (HEAD_DIM: the .cu's default, 64)
 CU_DEFINES = {CU: DEFINES, CU_ATT: ATT_DEFINES}
-BF16_OF = {"float": "unsigned short", "float4": "uint2"}   # gelu_backward_partial's bf16 output element per T
-CU_TEMPLATES = {CU: tuple(f"{k}<{t}>" for k in ("column_partial", "gelu_bias_forward", "gelu_backward_partial")
-                          for t in ("float", "float4"))
-                    + tuple(f"gelu_backward_partial<{t}, {o}>" for t, o in BF16_OF.items())
+BF16_OF = {"float": "unsigned short", "float4": "uint2"}   # gelu_backward_partial's bf16 element per T
+CU_TEMPLATES = {CU: tuple(f"{k}<{t}>" for k in ("column_partial", "gelu_bias_forward") for t in ("float", "float4"))
+                    + tuple(f"gelu_backward_partial<{t}, {o}, {h}>" for t, b in BF16_OF.items() for o in (t, b)
+                            for h in (t, b))
                     + tuple(f"layernorm_{d}_vec<{v}>" for d in ("forward", "backward") for v in LN_VECS)}
 CHUNK_ROWS = 256                      # rows per partial in the column sums
 LN_ROWS_PER_BLOCK = 32                # layernorm_backward: rows per block (8 per warp)
@@ -141,8 +141,11 @@ def encoder_backward(dx, idx, dwte, dwpe, version: int = 2):
         else:
             flat = idx.ravel()
             order = cp.argsort(flat).astype(cp.int32)          # a radix sort: stable, so a fixed order
-            start = cp.searchsorted(flat[order], cp.arange(V + 1, dtype=cp.int32)).astype(cp.int32)
-            _k("encoder_backward_v2")((V, -(-C // COLS)), (COLS, ROWS), (dx, order, start, dwte, np.int32(C)))
+            tok = flat[order]
+            start = cp.searchsorted(tok, cp.arange(V + 1, dtype=cp.int32)).astype(cp.int32)
+            by_position = V > flat.size                        # fewer blocks: min(V, N) per column strip
+            _k("encoder_backward_v2")((min(V, flat.size), -(-C // COLS)), (COLS, ROWS),
+                                      (dx, order, tok, start, dwte, np.int32(C), np.int32(V), np.int32(by_position)))
     dwpe[T:].fill(0)
     column_sum(dx.reshape(B, T * C), out=dwpe[:T].reshape(T * C))
     return dwte, dwpe
@@ -192,11 +195,13 @@ def gelu_bias_forward(h, bias, out=None):
 def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None, dpre16=None):
     """dpre = dout * gelu'(h + bias) (dpre may be dout itself) and dbias = its column sums: one pass + a finish.
     dpre16 (rows, cols) uint16: dpre's bf16 bits go there and no fp32 dpre is written (mixed.py); dbias is the
-    same fp32 sum either way. Returns (dpre or dpre16, dbias)."""
+    same fp32 sum either way. h float32, or uint16 bf16 bits (mixed.py's GEMM output), widened as read.
+    Returns (dpre or dpre16, dbias)."""
     import cupy as cp
     dout = expect_array(dout, "dout", dtype=np.float32, ndim=2)
     rows, cols = dout.shape
-    h = expect_array(h, "h", dtype=np.float32, shape=(rows, cols))
+    h = expect_array(h, "h", dtype=(np.float32, np.uint16), shape=(rows, cols))
+    h16 = h.dtype == np.uint16
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(cols,))
     dpre16 = _bf16_out(dpre16, "dpre16", (rows, cols), instead_of=dpre, fp32_name="dpre")
     dpre = out_array(dpre, (rows, cols), name="dpre") if dpre16 is None else None
@@ -206,9 +211,10 @@ def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None, dpre16=None):
     if not rows:
         partial.fill(0)
     if dout.size:
-        t, n = _elem(cols, dout, h, bias, dpre) if _bf16x4_rows(dpre16) else ("float", cols)
-        name = f"gelu_backward_partial<{t}>" if dpre16 is None else f"gelu_backward_partial<{t}, {BF16_OF[t]}>"
-        _k(name)((-(-n // COLS), chunks), (COLS, ROWS),
+        vec = _bf16x4_rows(dpre16) and (_bf16x4_rows(h) if h16 else True)
+        t, n = _elem(cols, dout, bias, dpre, *(() if h16 else (h,))) if vec else ("float", cols)
+        o, hh = (BF16_OF[t] if bf16 else t for bf16 in (dpre16 is not None, h16))     # dpre's and h's elements
+        _k(f"gelu_backward_partial<{t}, {o}, {hh}>")((-(-n // COLS), chunks), (COLS, ROWS),
                  (dout, h, bias, dpre if dpre16 is None else dpre16, partial, np.int32(rows), np.int32(n),
                   np.int32(CHUNK_ROWS)))
     if cols:

@@ -67,19 +67,20 @@ def to_bf16(x, out=None):
     return out
 
 
-def bias_to_bf16(x, bias, out=None):
-    """out (uint16 (rows, cols)) = bf16(x + bias): x (rows, cols) float32, bias (cols,) float32."""
-    x = expect_array(x, "x", dtype=np.float32, ndim=2)
-    bias = expect_array(bias, "bias", dtype=np.float32, shape=(x.shape[1],))
-    out = out_array(out, x.shape, np.uint16)
-    if x.size:
-        _mixed("bias_to_bf16")(_grid4(x.size), (BLOCK,), (x, bias, out, np.int64(x.size), np.int32(x.shape[1])))
-    return out
+def bias_bf16(y, bias):
+    """y (uint16 (rows, cols)) = bf16(y + bias) in place: y bf16 (a GEMM's output), bias (cols,) float32, the sum
+    in fp32. Returns y."""
+    y = _bf16(y, "y", ndim=2)
+    bias = expect_array(bias, "bias", dtype=np.float32, shape=(y.shape[1],))
+    if y.size:
+        _mixed("bias_bf16")(_grid4(y.size), (BLOCK,), (y, bias, np.int64(y.size), np.int32(y.shape[1])))
+    return y
 
 
 def gelu_bias_bf16(x, bias, out=None):
-    """out (uint16 (rows, cols)) = bf16(gelu(x + bias)), the GELU in fp32 (train_gpt2.cu's formula)."""
-    x = expect_array(x, "x", dtype=np.float32, ndim=2)
+    """out (uint16 (rows, cols)) = bf16(gelu(x + bias)): x bf16 (uint16 (rows, cols), the c_fc GEMM's output), bias
+    (cols,) float32; the sum and the GELU in fp32 (train_gpt2.cu's formula)."""
+    x = _bf16(x, "x", ndim=2)
     bias = expect_array(bias, "bias", dtype=np.float32, shape=(x.shape[1],))
     out = out_array(out, x.shape, np.uint16)
     if x.size:

@@ -10,7 +10,9 @@
 //   encoder_backward_v1     dwte[idx] += dx with atomicAdd: simple, but the order of the additions (and so
 //                           the last bits of dwte) changes from run to run when a token repeats.
 //   encoder_backward_v2     deterministic: positions sorted by token id (cupy.argsort, on the GPU); block
-//                           (v, column strip) sums token v's rows in a fixed order. No atomics.
+//                           (v, column strip) sums token v's rows in a fixed order. No atomics. Indexed by
+//                           token when V <= N, else by sorted position (the first of each token sums it): a
+//                           grid of V strips would be nearly all absent tokens (1.2M blocks for GPT-2).
 //   column_partial<T> /     bias gradients = column sums of dy. 2-D grid: (32-column strip, chunk of rows),
 //   column_finish           each block writes a partial, a second tiny kernel adds the partials in order.
 //                           Deterministic, and enough blocks to fill the GPU (a block per strip is not).
@@ -24,9 +26,10 @@
 //                           (common/include/lowp.cuh's bf16_bits, the bits of mixed.cu's casts) instead of
 //                           writing fp32 for a cast kernel to read back. layernorm_forward(_vec) writes out16
 //                           instead of out; gelu_backward_partial<T, O>, O the bf16 bits, writes only those
-//                           (its bias partials still add the fp32 values); layernorm_backward(_vec) writes dx16
-//                           beside dx, which the bias sums and the next LayerNorm backward still read. Null
-//                           pointers and O = T (the fp32 model's calls) leave each kernel as it was.
+//                           (its bias partials still add the fp32 values), and <T, O, H> reads h in bf16 too
+//                           (mixed.py stores the GELU's input as its GEMM wrote it); layernorm_backward(_vec)
+//                           writes dx16 beside dx, which the bias sums and the next LayerNorm backward still
+//                           read. Null pointers and O = H = T (the fp32 model's calls) leave each kernel as it was.
 //   T = float4, ..._vec     16-byte loads where C % 4 == 0 and the buffers are 16-byte aligned (ops.py
 //                           checks): a quarter of the load instructions and four times the bytes in flight
 //                           per thread. The column kernels take T = float or float4 (the same order of
@@ -80,11 +83,15 @@ __device__ __forceinline__ float4 dgelu_bias(float4 d, float4 x, float4 b) {
 }
 
 // A column kernel's output element: the fp32 value itself, or its bf16 bits (a u16, or four in a uint2 for
-// T = float4). Any other pairing does not compile.
+// T = float4). Any other pairing does not compile. wide() is the way back for an input stored in bf16 (exact).
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
 __device__ __forceinline__ void put(float4* p, float4 v) { *p = v; }
 __device__ __forceinline__ void put(u16* p, float v) { *p = bf16_bits(v); }
 __device__ __forceinline__ void put(uint2* p, float4 v) { *p = bf16x4_bits(v); }
+__device__ __forceinline__ float wide(float v) { return v; }
+__device__ __forceinline__ float4 wide(float4 v) { return v; }
+__device__ __forceinline__ float wide(u16 v) { return bf16_to_float(v); }
+__device__ __forceinline__ float4 wide(uint2 v) { return bf16x4_to_float4(v.x, v.y); }
 
 // Row lane threadIdx.y of a (COLS, LANES) block holds a partial sum s for column threadIdx.x: add the LANES
 // partials in a fixed order (no atomics: the same bits every run). The result is valid in row lane 0.
@@ -118,13 +125,24 @@ extern "C" __global__ void encoder_backward_v1(const float* __restrict__ dx, con
     }
 }
 
-// order: the positions 0..N-1 sorted by token id; start (V + 1): where token v's positions begin in order.
-// Block (v, strip): ROWS row lanes sum token v's rows for 32 columns, then one fixed-order sum. dwte += .
+// order: the positions 0..N-1 sorted by token id; tok: the ids in that order (idx[order]); start (V + 1): where
+// token v's positions begin in order. Block (x, strip): token v = x (by_position 0), or v = tok[x] when sorted
+// position x is v's first (by_position 1; the other positions' blocks leave). ROWS row lanes sum v's rows for 32
+// columns, then one fixed-order sum; dwte += . The same additions in the same order either way.
 extern "C" __global__ void encoder_backward_v2(const float* __restrict__ dx, const int* __restrict__ order,
-                                               const int* __restrict__ start, float* __restrict__ dwte, int C) {
+                                               const int* __restrict__ tok, const int* __restrict__ start,
+                                               float* __restrict__ dwte, int C, int V, int by_position) {
     __shared__ float part[ROWS][COLS + 1];
-    const int v = blockIdx.x, c = blockIdx.y * COLS + threadIdx.x;
-    const int s0 = start[v], s1 = start[v + 1];
+    const int c = blockIdx.y * COLS + threadIdx.x;
+    int v = blockIdx.x, s0;
+    if (by_position) {
+        s0 = blockIdx.x;
+        v = tok[s0];
+        if (v < 0 || v >= V || (s0 > 0 && tok[s0 - 1] == v)) return;   // out of range (as v1), or not v's first
+    } else {
+        s0 = start[v];
+    }
+    const int s1 = start[v + 1];
     if (s0 == s1) return;                       // token not in the batch (the whole block leaves)
     float s = 0.0f;
     if (c < C)
@@ -152,9 +170,10 @@ __global__ void column_partial(const T* __restrict__ a, float* __restrict__ part
 
 // The c_fc backward: dpre = dout * gelu'(h + bias) (dpre may be dout itself), and its column partials.
 // O = T stores dpre in fp32; O = u16 (T = float) or uint2 (T = float4) stores only its bf16 bits, all that
-// mixed.py's GEMMs read of it, while the partials add the same fp32 values in the same order.
-template <typename T, typename O = T>
-__global__ void gelu_backward_partial(const T* dout, const T* __restrict__ h, const T* __restrict__ bias, O* dpre,
+// mixed.py's GEMMs read of it, while the partials add the same fp32 values in the same order. H: h's element,
+// T (fp32) or the bf16 bits (as O), widened as read.
+template <typename T, typename O = T, typename H = T>
+__global__ void gelu_backward_partial(const T* dout, const H* __restrict__ h, const T* __restrict__ bias, O* dpre,
                                       float* __restrict__ partial, int rows, int cols, int chunk_rows) {
     __shared__ T part[ROWS][COLS + 1];
     const int c = blockIdx.x * COLS + threadIdx.x;
@@ -165,7 +184,7 @@ __global__ void gelu_backward_partial(const T* dout, const T* __restrict__ h, co
 #pragma unroll 4
         for (int r = blockIdx.y * chunk_rows + threadIdx.y; r < r1; r += ROWS) {
             const long long i = (long long)r * cols + c;
-            const T d = dgelu_bias(dout[i], h[i], bc);
+            const T d = dgelu_bias(dout[i], wide(h[i]), bc);
             put(dpre + i, d);
             s = s + d;
         }

@@ -215,7 +215,8 @@ def rnd(*shape, seed=0, scale=1.0):
 
 
 @gpu
-@pytest.mark.parametrize("B,T,C,V", [(1, 1, 4, 3), (3, 7, 37, 11), (2, 130, 384, 65)])
+@pytest.mark.parametrize("B,T,C,V", [(1, 1, 4, 3), (3, 7, 37, 11), (2, 130, 384, 65), (1, 5, 37, 11),
+                                     (4, 256, 768, 50257)])
 @pytest.mark.parametrize("version", [1, 2])
 def test_encoder_forward_backward(B, T, C, V, version):
     import cupy as cp

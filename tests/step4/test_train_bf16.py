@@ -59,7 +59,7 @@ def test_bf16_rounding_is_to_nearest_even():
 def test_kernels_compile_for_every_arch_and_trap_below_sm80(source, head_dim):
     from common.kernels import ARCHS, compile_offline, supported_archs
     want = {"attention_forward_bf16", "attention_delta_bf16", "attention_dkv_bf16", "attention_dq_bf16"} \
-        if "attention" in source else {"to_bf16", "bias_to_bf16", "gelu_bias_bf16", "classifier_bf16"}
+        if "attention" in source else {"to_bf16", "bias_bf16", "gelu_bias_bf16", "classifier_bf16"}
     for arch in (a for a in ARCHS if a in supported_archs()):
         report = compile_offline(source, arch, defines={"HEAD_DIM": head_dim})
         assert not report.warnings, (arch, report.warnings)
@@ -112,8 +112,7 @@ def test_make_model_names_the_precision_and_recompute():
 def test_wrappers_name_a_numpy_argument_before_any_gpu_work():
     h = np.zeros((2, 2), np.uint16)
     for call, name in ((lambda: bf.gemm_bf16(h, h), "a"), (lambda: bf.to_bf16(h.astype(np.float32)), "x"),
-                       (lambda: bf.bias_to_bf16(h.astype(np.float32), None), "x"),
-                       (lambda: bf.gelu_bias_bf16(h.astype(np.float32), None), "x")):
+                       (lambda: bf.bias_bf16(h, None), "y"), (lambda: bf.gelu_bias_bf16(h, None), "x")):
         with pytest.raises(TypeError, match=f"^{name}: expected a cupy.ndarray on the GPU"):
             call()
 
@@ -164,14 +163,17 @@ def test_casts_against_numpy(shape, offset):
     nan = cuda(np.array([np.nan, -np.nan, np.inf, -np.inf], np.float32))
     got = from_bf16(bf.to_bf16(nan))
     assert np.isnan(got[:2]).all() and np.array_equal(got[2:], [np.inf, -np.inf])
-    if len(shape) == 2:
+    if len(shape) == 2:                                         # the bias kernels read bf16 (a GEMM's output)
         bias = rand(shape[1], seed=2)
+        x16, xr = as_bf16(x)
+        y = _shifted(x16, offset)
+        assert bf.bias_bf16(y, cuda(bias)) is y                 # in place: the fp32 sum, rounded once
+        assert np.array_equal(from_bf16(y), bf16_round(xr.astype(np.float32) + bias))
         out = _shifted(poison(cp.empty(shape, cp.uint16)), offset)
-        bf.bias_to_bf16(cuda(x), cuda(bias), out=out)
-        assert np.array_equal(from_bf16(out), bf16_round(x + bias))
-        out = _shifted(poison(cp.empty(shape, cp.uint16)), offset)
-        bf.gelu_bias_bf16(cuda(x), cuda(bias), out=out)
-        assert_close(from_bf16(out), R.gelu_bias_forward(x, bias)[1], rtol=1e-2)
+        x16 = _shifted(x16, offset)
+        bf.gelu_bias_bf16(x16, cuda(bias), out=out)
+        assert_close(from_bf16(out), R.gelu_bias_forward(xr, bias)[1], rtol=1e-2)
+        assert np.array_equal(from_bf16(x16), xr)               # x is only read
 
 
 @gpu
@@ -377,22 +379,30 @@ def _names(monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("h16", [False, True])
 @pytest.mark.parametrize("where", list(PLACES))
 @pytest.mark.parametrize("rows,cols", [(1, 1), (300, 37), (7, 132), (257, 3072), (33, 6400)])
-def test_gelu_backward_writes_dpre_in_bf16_bit_for_bit(rows, cols, where, monkeypatch):
+def test_gelu_backward_writes_dpre_in_bf16_bit_for_bit(rows, cols, where, h16, monkeypatch):
     """dpre16 is the cast of the dpre the fp32 path writes, and dbias is the fp32 path's, bit for bit: float4
-    kernels (cols % 4 == 0, dpre16 8-byte aligned), float ones (cols odd, or dpre16 2 or 4 bytes off)."""
+    kernels (cols % 4 == 0, dpre16 8-byte aligned), float ones (cols odd, or dpre16 2 or 4 bytes off). h16: h in
+    bf16 (mixed.py's pre-activation, as its GEMM wrote it), against the fp32 path on the widened values."""
     import cupy as cp
+    from step2_attention.flash import bf16_to_float32
     from step4_gpt2.train import ops
     names = _names(monkeypatch)
-    dout, h, bias = _input(rand((rows, cols), 1), where), _input(rand((rows, cols), 2, 2.0), where), cuda(rand(cols, 3))
+    dout, bias = _input(rand((rows, cols), 1), where), cuda(rand(cols, 3))
+    h = _input(rand((rows, cols), 2, 2.0), where)
+    if h16:
+        hb = _shifted(bf.to_bf16(cp.ascontiguousarray(h)), 2 if where == "inputs +4 bytes" else 0)
+        h = _input(bf16_to_float32(hb), where)
     dpre, dbias = _out32((rows, cols), where), poison(cp.empty(cols, cp.float32))
     ops.gelu_bias_backward(dout, h, bias, dpre=dpre, dbias=dbias)
     dpre16, dbias16 = _out16((rows, cols), where), poison(cp.empty(cols, cp.float32))
-    got, _ = ops.gelu_bias_backward(dout, h, bias, dpre16=dpre16, dbias=dbias16)
+    got, _ = ops.gelu_bias_backward(dout, hb if h16 else h, bias, dpre16=dpre16, dbias=dbias16)
     assert got is dpre16
     t = "float4" if cols % 4 == 0 and where in ("aligned", "bf16 +8 bytes") else "float"
-    assert names[::2] == [f"gelu_backward_partial<{t}>", f"gelu_backward_partial<{t}, {ops.BF16_OF[t]}>"], names
+    b = ops.BF16_OF[t]
+    assert names[::2] == [f"gelu_backward_partial<{t}, {t}, {t}>", f"gelu_backward_partial<{t}, {b}, {b if h16 else t}>"]
     assert _same_bits(dpre16, bf.to_bf16(dpre))
     assert _same_bits(dbias16, dbias)
     assert _same_bits(dout, _input(rand((rows, cols), 1), where))      # dout is only read

@@ -137,14 +137,18 @@ def _gelu_launch(kern, a):
 
 def _gelu_bias_backward_with(kern):
     """ops.gelu_bias_backward's signature, on the learner's kernel; dbias is the course's column_sum of dpre.
-    dpre16 (only the bf16 model asks for it): the learner's fp32 dpre, then the course's cast into it."""
+    The bf16 model passes h in bf16 and asks for dpre16: h widened for the learner's fp32 kernel, then the
+    learner's fp32 dpre cast into dpre16 by the course."""
     from common import expect_array, out_array
+    from step2_attention.flash import bf16_to_float32
     from step4_gpt2.train import ops
     from step4_gpt2.train.ops_bf16 import to_bf16
 
     def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None, dpre16=None):
         dout = expect_array(dout, "dout", dtype=np.float32, ndim=2)
         rows, cols = dout.shape
+        if h.dtype == np.uint16:
+            h = bf16_to_float32(h)
         dpre = out_array(dpre, (rows, cols), name="dpre")
         if dout.size:
             _gelu_launch(kern, {"dout": dout, "h": h, "bias": bias, "dpre": dpre})
