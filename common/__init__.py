@@ -11,7 +11,7 @@ from common.kernels import (load_module, get_kernel, occupancy, allow_dynamic_sm
 from common.graphs import capture_graph, stream_priorities
 from common.check import (assert_close, errors, max_rel_error, poison, rand, expect_array, expect_choice, out_array,
                           expect_int, expect_token_ids,
-                          launch_grid, float4_rows)
+                          launch_grid, float4_rows, null_or)
 from common.timing import bench, Timing, copy_bandwidth, faster
 from common.profile import profile, Profile
 from common import reference
@@ -24,6 +24,6 @@ __all__ = [
     "load_module", "get_kernel", "capture_graph", "stream_priorities", "occupancy", "allow_dynamic_smem",
     "compile_offline", "kernel_source", "show_source", "show_diff", "show_excerpt", "KernelCompileError", "ARCHS",
     "assert_close", "errors", "max_rel_error", "poison", "rand", "expect_array", "expect_choice", "expect_token_ids",
-    "expect_int", "out_array", "launch_grid", "float4_rows",
+    "expect_int", "out_array", "launch_grid", "float4_rows", "null_or",
     "bench", "Timing", "copy_bandwidth", "faster", "profile", "Profile", "reference",
 ]

@@ -197,6 +197,12 @@ def launch_grid(n: int, block: int, max_blocks: int | None = None, per_sm: int |
     return (min(blocks, max_blocks) if max_blocks else blocks,)
 
 
+def null_or(a):
+    """a, or a null pointer (np.uint64(0)) for None: a kernel's optional pointer argument (the kernel checks for
+    nullptr)."""
+    return np.uint64(0) if a is None else a
+
+
 def float4_rows(cols: int, *arrays) -> bool:
     """Whether float4 (16-byte) loads and stores are legal on rows of `cols` float32s: cols % 4 == 0 and every
     array (None is skipped) starts on a 16-byte boundary. The float4 kernels of steps 2-4 fall back to scalar

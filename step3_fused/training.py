@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, expect_choice, expect_token_ids, launch_grid, get_kernel, out_array, require_gpu
+from common import expect_array, expect_choice, expect_token_ids, launch_grid, get_kernel, null_or, out_array, \
+    require_gpu
 from common.reference import mlp as ref
 from step3_fused.shakespeare import Vocab, tokenize
 
@@ -160,8 +161,7 @@ def classifier(z, bias, targets=None, mode: str = "grad", scale: float | None = 
         loss = out_array(losses, (B,), name="losses")
     if B and V:
         get_kernel(FWD, "classifier_fused")(
-            (B,), (_row_block(V),), (z, bias if bias is not None else np.uint64(0), t if t is not None else np.uint64(0),
-                                    loss if loss is not None else np.uint64(0), np.int32(V),
+            (B,), (_row_block(V),), (z, null_or(bias), null_or(t), null_or(loss), np.int32(V),
                                     np.float32(1.0 / B if scale is None else scale), np.int32(CLASSIFIER_MODES[mode])))
     return loss
 
@@ -364,7 +364,7 @@ class AdamW(_Optimizer):
         tab = self._table(grads, names)
         get_kernel(UPD, "adamw_multi", UPD_DEFINES)(
             (tab.blocks,), (BLOCK,), (tab.ptrs, tab.sizes, tab.wds, tab.first, np.int32(tab.n), *hyper,
-                                      np.float32(bc1), np.float32(bc2), np.uint64(0) if sched is None else sched))
+                                      np.float32(bc1), np.float32(bc2), null_or(sched)))
 
 
 # ---------------------------------------------------------------------------- the model

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, get_kernel, launch_grid,
-                    occupancy, out_array)
+                    null_or, occupancy, out_array)
 from step2_attention.flash import decode_attention, decode_split_count, flash_attention_qkv  # noqa: F401
 from step3_fused.ops import layernorm, residual_layernorm  # noqa: F401
 from step4_gpt2 import pdl
@@ -64,7 +64,7 @@ GEMV_LOWP_VERSIONS = (6, 7)       # bf16 and int8 weights (gemv_lowp.cu): v5's d
 LOWP_VERSION = {"bf16": 6, "int8": 7}
 LOWP_PER_LOAD = {"bf16": 8, "int8": 16}     # weights per 16-byte load: K must be a multiple
 LOWP_CU = Path(__file__).resolve().parent / "gemv_lowp.cu"
-NULL = np.uint64(0)     # an unused pointer argument
+NULL = null_or(None)    # an unused pointer argument
 _programmatic = False   # set by programmatic()
 
 
@@ -105,13 +105,13 @@ def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAX
     return get_kernel(CU, name, defines(rows, unroll, maxb), templates=CU_TEMPLATES[CU])
 
 
-def gemv_module(B: int, K: int) -> int:
-    """MAXB of the module a gemv_v5/v6/v7 call of B rows of K launches from: 1 at batch 1 (the decode of one
+def gemv_module(B: int) -> int:
+    """MAXB of the module a gemv_v5/v6/v7 call of B rows launches from: 1 at batch 1 (the decode of one
     sequence), MAXB otherwise. Compiled for MAXB rows, acc[ROWS][MAXB] and the batch loop hold registers that
     a batch of 1 never uses (sm_90, int8: 165-173 per lane, 102-128 at MAXB 1), so fewer blocks are resident.
     Both modules read x the same way (shared memory only behind the LayerNorm prologue), so any K that the
-    MAXB module takes, the MAXB=1 module takes too. Every GEMV wrapper (gemv, gemv_qkv, v5 and the bf16/int8
-    v6/v7) picks its module here, once per call."""
+    MAXB module takes, the MAXB=1 module takes too: the row length plays no part. Every GEMV wrapper (gemv,
+    gemv_qkv, v5 and the bf16/int8 v6/v7) picks its module here, once per call."""
     return 1 if B == 1 else MAXB
 
 
@@ -255,7 +255,7 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
         raise ValueError(f"version: ln= and residual= need version 5, got {version!r}")
     if gelu and bias is None:
         raise ValueError("gelu=True needs a bias (the fused epilogue is gelu(x @ W^T + bias))")
-    b_arg = bias if bias is not None else NULL
+    b_arg = null_or(bias)
     epi = "EPI_RESID" if residual else "EPI_BIAS_GELU" if gelu else "EPI_BIAS" if bias is not None else "EPI_NONE"
     if version == 5:
         if residual and y.data.ptr == x.data.ptr:
@@ -265,7 +265,7 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
         if residual and bias is None:
             raise ValueError("bias: residual=True needs the projection bias")
         lw, lb, e = _ln_args(ln, K, eps)
-        maxb = gemv_module(B, K)
+        maxb = gemv_module(B)
         fn = kernel(f"gemv_v5<{epi}, {'false' if ln is None else 'true'}>", rows, unroll, maxb)
         step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
         for b0 in range(0, B, step):
@@ -318,7 +318,7 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
     expect_choice(version, "version", (3, 4, 5))
     if version == 5:
         lw, lb, e = _ln_args(ln, K, eps)
-        maxb = gemv_module(B, K)
+        maxb = gemv_module(B)
         fn = kernel(f"gemv_v5<EPI_QKV, {'false' if ln is None else 'true'}>", V5_ROWS, maxb=maxb)
         step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
         for b0 in range(0, B, step):
@@ -413,14 +413,14 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
         raise ValueError("residual: out += x @ W^T + bias needs a bias, no GELU, and out other than x")
     epi = "EPI_RESID" if residual else "EPI_BIAS_GELU" if gelu else "EPI_BIAS" if bias is not None else "EPI_NONE"
     lw, lb, e = _ln_args(ln, K, eps)
-    maxb = gemv_module(B, K)
+    maxb = gemv_module(B)
     fn = lowp_kernel(f"gemv_v{version}<{epi}, {'false' if ln is None else 'true'}>", rows, unroll, maxb)
     step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
     head = (scale,) if kind == "int8" else ()            # gemv_v7 takes the scales after W
     for b0 in range(0, B, step):
         nb = min(step, B - b0)
         _v5_call(fn, N, K, nb, ln is not None,
-                 (x[b0:b0 + nb], W, *head, bias if bias is not None else NULL, y[b0:b0 + nb], np.int32(nb),
+                 (x[b0:b0 + nb], W, *head, null_or(bias), y[b0:b0 + nb], np.int32(nb),
                   np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL, np.int32(0), np.int32(0)),
                  rows, unroll, LOWP_PER_LOAD[kind])
     return y
@@ -439,7 +439,7 @@ def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps
     H, L, D = _check_caches(k_cache, v_cache, B, C)
     _index_vector(pos, "pos", B)
     lw, lb, e = _ln_args(ln, K, eps)
-    maxb = gemv_module(B, K)
+    maxb = gemv_module(B)
     fn = lowp_kernel(f"gemv_v{version}<EPI_QKV, {'false' if ln is None else 'true'}>", maxb=maxb)
     step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
     head = (scale,) if kind == "int8" else ()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import allow_dynamic_smem, device_info, expect_choice, get_kernel, occupancy, require_gpu
+from common import allow_dynamic_smem, device_info, expect_choice, get_kernel, null_or, occupancy, require_gpu
 from step4_gpt2.generate import Decoder
 from step4_gpt2.model import Block
 from step4_gpt2.quantize import KIND_OF_DTYPE, PRECISIONS
@@ -309,9 +309,8 @@ class MegakernelDecoder(Decoder):
         self._check_room(nsteps, "nsteps", "launch")
         self._rows += int(nsteps)
         w, s = self.model, self.state
-        head_s = self.head_s if self.head_s is not None else np.uint64(0)
-        args = (self.ptrs, w.wte, w.wpe, w.ln_f[0], w.ln_f[1], self.head, head_s, s.tokens, s.pos, s.lens,
-                self.work, self.sync, self.amax, s.logits, out_tokens if out_tokens is not None else np.uint64(0),
+        args = (self.ptrs, w.wte, w.wpe, w.ln_f[0], w.ln_f[1], self.head, null_or(self.head_s), s.tokens, s.pos, s.lens,
+                self.work, self.sync, self.amax, s.logits, null_or(out_tokens),
                 np.int32(self.length), np.int32(self.nch), np.int32(nsteps), np.uint32(self.epoch % 2**32),
                 np.uint32(self.barriers % 2**32), np.int64(self.timeout_ns), self.err)
         with self.stream:

@@ -26,7 +26,7 @@
 // two products dq recomputes cost less than the round trip of dS through DRAM, and the kernels stay simpler.
 // Each output row has one owner: no atomics, the same bits every run.
 //
-// Layouts (mixed.py): qkv (B, T, 3C) bf16 with its bias already added (the cast after the qkv GEMM adds it);
+// Layouts (mixed.py): qkv (B, T, 3C) bf16 with its bias already added (mixed.cu's bias_bf16, after the GEMM);
 // out and dout (B, T, C) bf16; lse and delta (B, H, T) fp32, lse in natural log; dqkv (B, T, 3C) fp32, which the
 // bias gradient sums, and optionally dqkv16, its bf16 bits for the two qkv GEMMs (common/include/lowp.cuh's
 // bf16_bits, a separate cast's bits), written from the same registers rather than by a cast that reads dqkv
@@ -67,7 +67,9 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-// two floats -> one register of two bf16 (round to nearest even), lo in the low half
+// two floats -> one register of two bf16 (round to nearest even), lo in the low half. One cvt instruction (sm_80),
+// for the A fragments of the hot loops; it rounds as lowp.cuh's bf16x2_bits does but for NaN's payload, and
+// bf16x2_bits (integer work) writes dqkv16, whose bits must be a separate cast's exactly.
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     unsigned u;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(u) : "f"(hi), "f"(lo));

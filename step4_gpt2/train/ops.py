@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, float4_rows, get_kernel, launch_grid,
-                    out_array, require_arch)
+                    null_or, out_array, require_arch)
 from common.cublas import gemm, tf32_enabled
 
 CU = Path(__file__).resolve().parent / "train_gpt2.cu"
@@ -244,8 +244,8 @@ def layernorm_forward(x, weight, bias, eps: float = 1e-5, y=None, ybias=None, ou
     vec = _ln_vec(C, x, y, ybias, resid, weight, bias, out, bf16=out16)
     name = "layernorm_forward" if vec is None else f"layernorm_forward_vec<{vec}>"
     if N:
-        _k(name)(launch_grid(N, BLOCK // 32), (BLOCK,), (x, _or_null(y), _or_null(ybias), _or_null(resid), weight,
-                                                         bias, _or_null(out), _or_null(out16), mean, rstd, np.int32(N),
+        _k(name)(launch_grid(N, BLOCK // 32), (BLOCK,), (x, null_or(y), null_or(ybias), null_or(resid), weight,
+                                                         bias, null_or(out), null_or(out16), mean, rstd, np.int32(N),
                                                          np.int32(C), np.float32(eps)))
     out = out if out16 is None else out16
     return (out, mean, rstd) if y is None else (resid, out, mean, rstd)
@@ -274,7 +274,7 @@ def layernorm_backward(dy, x, weight, mean, rstd, dx=None, dweight=None, dbias=N
         kernel = _k("layernorm_backward" if vec is None else f"layernorm_backward_vec<{vec}>")
         smem = LN_WARPS * 2 * C * 4
         allow_dynamic_smem(kernel, smem, f"layernorm_backward with C={C}")
-        kernel((blocks,), (LN_WARPS * 32,), (dy, x, weight, mean, rstd, dx, _or_null(dx16), partial, np.int32(N),
+        kernel((blocks,), (LN_WARPS * 32,), (dy, x, weight, mean, rstd, dx, null_or(dx16), partial, np.int32(N),
                                              np.int32(C), np.int32(LN_ROWS_PER_BLOCK), np.int32(bool(accumulate))),
                shared_mem=smem)
     if C:
@@ -324,13 +324,9 @@ def attention_forward(qkv, bias, n_head: int, out=None, lse=None, version: int |
         bias = expect_array(bias, "bias", dtype=np.float32, shape=(3 * C,))
     if out.size:
         _tc("attention_forward_tc", D)((-(-T // TC_ROWS), B * n_head), (TC_WARPS * 32,),
-                                       (qkv, _or_null(bias), out, lse, np.int32(T), np.int32(n_head),
+                                       (qkv, null_or(bias), out, lse, np.int32(T), np.int32(n_head),
                                         np.float32(1.0 / math.sqrt(D))))
     return out, lse
-
-
-def _or_null(a):
-    return np.uint64(0) if a is None else a
 
 
 def attention_delta(dout, out, n_head: int, delta=None):
@@ -374,10 +370,10 @@ def attention_backward(dout, qkv, bias, out, lse, n_head: int, dqkv=None, versio
         ds = cp.empty(B * H * (nt * (nt + 1) // 2) * 256, cp.float32)
         grid, ints = (-(-T // TC_ROWS), B * H), (np.int32(T), np.int32(H), np.float32(scale))
         _tc("attention_dkv_tc", D)(grid, (TC_WARPS * 32,),
-                                               (qkv, _or_null(bias), dout, lse, delta, dqkv, ds, *ints))
-        _tc("attention_dq_tc", D)(grid, (TC_WARPS * 32,), (qkv, _or_null(bias), ds, dqkv, *ints))
+                                               (qkv, null_or(bias), dout, lse, delta, dqkv, ds, *ints))
+        _tc("attention_dq_tc", D)(grid, (TC_WARPS * 32,), (qkv, null_or(bias), ds, dqkv, *ints))
         return dqkv
-    args = (qkv, _or_null(bias), dout, lse, delta, dqkv, np.int32(T), np.int32(H), np.float32(scale))
+    args = (qkv, null_or(bias), dout, lse, delta, dqkv, np.int32(T), np.int32(H), np.float32(scale))
     if version == 2:
         grid = (-(-T // ATT_ROWS), B * H)
         _att("attention_backward_dkv", D)(grid, (2 * ATT_ROWS,), args)

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common import expect_array, get_kernel, launch_grid, out_array, require_arch
+from common import expect_array, get_kernel, launch_grid, null_or, out_array, require_arch
 from common.cublas import _ALPHA, _BETA, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_32F, \
     WORKSPACE_BYTES, _check, _cublas, _handle
 from common.graphs import cublas_call
-from step4_gpt2.train.ops import _or_null
 
 CU_MIXED = Path(__file__).resolve().parent / "mixed.cu"
 CU_BF16 = Path(__file__).resolve().parent / "attention_bf16.cu"
@@ -156,7 +155,7 @@ def classifier_bf16(logits, targets, losses=None, dlogits=None, scale: float | N
     elif dlogits is not None:
         raise ValueError("dlogits: pass it with grad=True only (grad=False computes the losses alone)")
     if N and V:
-        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, dlogits if grad else _or_null(None),
+        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, null_or(dlogits if grad else None),
                                                             np.int32(V), np.float32(1.0 / N if scale is None else scale)))
     return losses
 
@@ -223,7 +222,7 @@ def attention_backward_bf16(dout, qkv, out, lse, n_head: int, dqkv=None, delta=N
     rows = B * H * T
     _att("attention_delta_bf16", D)(launch_grid(rows * 32, BLOCK), (BLOCK,),
                                     (dout, out, delta, np.int32(T), np.int32(H), np.int64(rows)))
-    args = (qkv, dout, lse, delta, dqkv, _or_null(dqkv16), np.int32(T), np.int32(H),
+    args = (qkv, dout, lse, delta, dqkv, null_or(dqkv16), np.int32(T), np.int32(H),
             np.float32(1 / math.sqrt(D)))
     grid = (-(-T // ROWS), B * H)
     _att("attention_dkv_bf16", D)(grid, (THREADS,), args)

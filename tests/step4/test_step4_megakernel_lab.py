@@ -7,6 +7,8 @@ in-kernel timeline stamps every stage in order; the floor's model (every layer =
 streamed or kept in L2 matches the float64 reference; hops.cu's costs; a block that never signals (the stall
 build, launch(stall_block=b)) makes the others time out instead of hanging, the decoder raises and recovers.
 `sanitize`: a capped grid (max_blocks) small enough for compute-sanitizer (tests/sanitize.py)."""
+import types
+
 import numpy as np
 import pytest
 
@@ -71,6 +73,9 @@ def test_lab_options_are_checked_before_the_gpu():
                      (dict(version=1, keep_layers_in_l2=True), "keep_layers_in_l2")]:
         with pytest.raises(ValueError, match=name):
             LD.LabMegakernelDecoder(model, 1, 40, **kw)
+    for precision in ("bf16", "int8"):                   # their loads take no KEEP hint: refused, not ignored
+        with pytest.raises(ValueError, match=f"keep_layers_in_l2: fp32 weights only .* got a {precision} model"):
+            LD.LabMegakernelDecoder(types.SimpleNamespace(precision=precision), 1, 40, keep_layers_in_l2=True)
 
 
 # ============================================================================ GPU
@@ -167,6 +172,9 @@ def test_lab_options_are_named(cp):
     for kw, name in [(dict(threads=100), "threads"), (dict(max_blocks=0), "max_blocks")]:
         with pytest.raises(ValueError, match=name):
             LD.LabMegakernelDecoder(model, 1, 40, **kw)
+    for precision in ("bf16", "int8"):                   # their loads take no KEEP hint: refused, not ignored
+        with pytest.raises(ValueError, match=f"keep_layers_in_l2: fp32 weights only .* got a {precision} model"):
+            LD.LabMegakernelDecoder(types.SimpleNamespace(precision=precision), 1, 40, keep_layers_in_l2=True)
 
 
 @gpu

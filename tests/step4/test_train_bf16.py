@@ -96,6 +96,25 @@ def test_activation_bytes_is_what_the_buffers_hold_and_recompute_saves_12C_per_t
     assert MX.activation_bytes(cfg, B) == MX.activation_bytes(cfg, B, cfg.block_size)
 
 
+@gpu
+@pytest.mark.parametrize("recompute", [False, True])
+def test_activation_bytes_is_what_a_model_allocates(recompute):
+    """The bytes of the arrays a MixedGPT's activations hold after a step (each buffer once, however many layers
+    share it), counted from the arrays themselves, not from the table activation_bytes sums."""
+    import cupy as cp
+    cfg, B, T = TINY, 3, 17
+    m = MX.MixedGPT(cfg, random_weights(cfg, 1, notice=False), recompute=recompute)
+    idx, tgt = batch(cfg, B, T)
+    m.loss_and_grads(cp.asarray(idx), cp.asarray(tgt))
+    a = m._acts[(B, T)]
+    held = {}
+    for name, v in vars(a).items():
+        for x in (v if isinstance(v, list) else [v]) if name != "idx" else ():     # idx: the batch, not kept
+            if isinstance(x, cp.ndarray):
+                held[x.data.ptr] = x.nbytes
+    assert sum(held.values()) == MX.activation_bytes(cfg, B, T, recompute=recompute)
+
+
 @pytest.mark.parametrize("B,T", [(0, 4), (2.5, 4), (True, 4), (2, 0)])
 def test_activation_bytes_names_bad_sizes(B, T):
     with pytest.raises(ValueError, match="B, T: expected positive integers"):

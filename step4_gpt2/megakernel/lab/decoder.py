@@ -7,7 +7,7 @@
 
 Options beyond MegakernelDecoder's:
   timeline           compile in %globaltimer stamps (start, inputs ready, end) per stage and block
-  keep_layers_in_l2  sm_80+, v2: ask L2 to keep the layers' weights (evict-last prefetches, loads without the
+  keep_layers_in_l2  sm_80+, v2, fp32 weights: ask L2 to keep the layers' weights (evict-last prefetches, loads without the
                      streaming hint), so it keeps what fits of them (the floor, lab/floor.py); release_l2() after
   threads, unroll    the block size (256, 384, 512) and float4 columns per lane per weight row in flight
   blocks_per_sm      resident blocks per SM (capped by the occupancy API)
@@ -23,7 +23,8 @@ import numpy as np
 
 from common import device_info, expect_choice, get_kernel, load_module
 from step4_gpt2.megakernel.megakernel import (PER_LAYER, STAGES, THREADS, TIMEOUT_S, UNROLL, MegakernelDecoder,
-                                              MegakernelUnavailable, defines, fit, stages_per_step)
+                                              MegakernelUnavailable, defines, fit, model_precisions,
+                                              stages_per_step)
 from step4_gpt2.weights import GPTConfig
 
 HERE = Path(__file__).resolve().parent
@@ -62,6 +63,9 @@ class LabMegakernelDecoder(MegakernelDecoder):
             raise ValueError("timeline, keep_layers_in_l2: two separate lab builds; ask for one of them")
         if keep_layers_in_l2 and version != 2:
             raise ValueError(f"keep_layers_in_l2: a build of v2 (megakernel_v2.cu), got version={version!r}")
+        if keep_layers_in_l2 and model_precisions(model) != ("fp32", "fp32"):
+            raise ValueError(f"keep_layers_in_l2: fp32 weights only (the bf16/int8 loads take no KEEP hint, while "
+                             f"their lines would stay evict-last), got a {model_precisions(model)[0]} model")
         self.timeline, self.keep_layers_in_l2 = bool(timeline), bool(keep_layers_in_l2)
         self.blocks_per_sm, self.max_blocks = int(blocks_per_sm), max_blocks
         self.last_timeline = None
