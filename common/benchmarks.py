@@ -389,6 +389,9 @@ NOTES: dict[str, list[tuple[str, str]]] = {
     ],
     "step4_gpt2:megakernel": [
         (r"decode eager", "Host-bound: one launch per kernel."),
+        (r"decode CUDA graph \+ PDL", "The same graph with programmatic dependent launch (sm_90): each kernel "
+                                     "starts, and asks for its first weights, while the one before it drains; it "
+                                     "still waits for all of that kernel before it reads."),
         (r"decode CUDA graph", "Anchor: one kernel per op, each with its ramp-up and tail."),
         (r"decode megakernel v1", "One persistent kernel; its blocks wait for each other through counters: "
                                   "the chain of hops between blocks sets the pace."),

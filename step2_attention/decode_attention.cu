@@ -15,8 +15,12 @@
 // The valid length of every sequence is read from `lengths` on the device, never on the host, so a
 // CUDA graph captured once replays with new lengths; blocks whose chunk starts past the length write
 // an empty partial (m = -inf, l = 0) and return. Layout: q (B, H, D), caches (B, H, Lmax, D), out (B, H, D).
+// Both kernels start with pdl_wait() (common/include/pdl.cuh): launched with programmatic dependent launch, as
+// step 4's decode does on sm_90, a kernel may start while the one before it drains, and waits there before it
+// reads q, the caches or the lengths; launched plainly, the wait costs nothing.
 // Compile-time knobs: HEAD_DIM (32, 64 or 128; default 64), WARPS (warps per block of decode_split, 4).
 #include "course.cuh"
+#include "pdl.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -48,6 +52,8 @@ decode_split(const float* __restrict__ q, const float* __restrict__ kc, const fl
              const int* __restrict__ lengths, float* __restrict__ out, float* __restrict__ partial,
              int H, int Lmax, int chunk, float scale_log2) {
     __shared__ float st[WARPS][D + 2];
+    pdl_wait();                  // every thread: q, the caches and lengths are earlier kernels' outputs
+    pdl_launch_dependents();
     const int bh = blockIdx.x, b = bh / H, split = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, grp = lane / G, sub = lane % G;
     const int len = min(max(lengths[b], 0), Lmax);
@@ -134,6 +140,8 @@ decode_split(const float* __restrict__ q, const float* __restrict__ kc, const fl
 // out[bh, d] = sum_s e_s * acc_s[d] / sum_s e_s * l_s with e_s = exp2(m_s - max_s m_s); one block per pair.
 extern "C" __global__ void __launch_bounds__(D)
 decode_combine(const float* __restrict__ partial, float* __restrict__ out, int n_split) {
+    pdl_wait();                  // the partials are decode_split's
+    pdl_launch_dependents();
     const int bh = blockIdx.x, d = threadIdx.x;
     const float* p = partial + (long long)bh * n_split * (D + 2);
     float M = NEG_INF;

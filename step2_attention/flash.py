@@ -244,11 +244,14 @@ def decode_split_count(B: int, H: int, Lmax: int) -> tuple[int, int]:
     return -(-Lmax // chunk), chunk
 
 
-def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None = None, version: int = 2):
+def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None = None, version: int = 2,
+                     launch=None):
     """One query per (sequence, head) against a KV cache: q (B, H, D) fp32, caches (B, H, Lmax, D) fp32,
     lengths (B,) int32 on the GPU (1 <= lengths[b] <= Lmax, read on the device). With `out` given and
     after one call with these shapes, the call only launches kernels: safe inside a CUDA graph capture.
-    version 1: one block per (sequence, head); 2: split-K over the cache + a combine kernel."""
+    version 1: one block per (sequence, head); 2: split-K over the cache + a combine kernel. launch(fn, grid,
+    block, args): how each kernel is launched, fn(grid, block, args) by default (step 4's decode passes the
+    launch that adds programmatic dependent launch)."""
     import cupy as cp
     q = expect_array(q, "q", dtype=np.float32, ndim=3)
     B, H, d = q.shape
@@ -273,8 +276,10 @@ def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None
     args = (q, k_cache, v_cache, lengths, out, _ptr(partial), np.int32(H), np.int32(Lmax), np.int32(chunk),
             np.float32(_scale(scale, d) * LOG2E))
     defines = {"HEAD_DIM": d, "WARPS": DECODE_WARPS}
-    get_kernel(HERE / "decode_attention.cu", "decode_split", defines)((B * H, n_split), (32 * DECODE_WARPS,), args)
+    launch = launch or (lambda fn, grid, block, args: fn(grid, block, args))
+    launch(get_kernel(HERE / "decode_attention.cu", "decode_split", defines), (B * H, n_split), (32 * DECODE_WARPS,),
+           args)
     if n_split > 1:
-        get_kernel(HERE / "decode_attention.cu", "decode_combine", defines)(
-            (B * H,), (d,), (partial, out, np.int32(n_split)))
+        launch(get_kernel(HERE / "decode_attention.cu", "decode_combine", defines), (B * H,), (d,),
+               (partial, out, np.int32(n_split)))
     return out

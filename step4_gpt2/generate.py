@@ -12,8 +12,8 @@ generate() checks the prompts, pads them into one batch and hands the decoding t
   replays the right one). Greedy decoding keeps the choice (argmax) and the position update inside the
   graph too, so the host queues the next step before it reads the last one's tokens (PIPELINE_DEPTH).
 - eager (cuda_graph=False): the same Decoder launching every kernel of every step.
-- programmatic=True: the step's own kernels (embedding, GEMVs, argmax) launch with programmatic dependent
-  launch on sm_90 and newer (`ops.programmatic`): each starts while the one before it drains (v5/v6/v7's
+- programmatic=True: the step's kernels (embedding, GEMVs, decode attention, argmax) launch with programmatic
+  dependent launch on sm_90 and newer (`ops.programmatic`): each starts while the one before it drains (v5/v6/v7's
   GEMVs with their first weight loads), in the graph as eagerly; below sm_90 the launches stay plain.
 - `decoder=`: another Decoder subclass, built with the same arguments (model, batch, cache length, greedy,
   and the options given to generate); generate() drives it the same way.

@@ -10,10 +10,11 @@ goes through (steps 2 and 3's attention and LayerNorm kernels are imported here 
         scale= its (N,) row scales (v7), or a quantize.LowpWeight: the dtype picks the kernel
     matmul_lowp(x, W, scale, out)                    prefill with bf16/int8 weights: widen once, then cuBLAS
     argmax(logits, tokens, pos, lens), advance(pos, lens)   greedy choice and position update on the device
-    programmatic()                                   with ops.programmatic(): the kernels above launch with
-                                                     programmatic dependent launch (sm_90; plain elsewhere)
+    programmatic()                                   with ops.programmatic(): the kernels above and the decode
+                                                     attention launch with programmatic dependent launch
+                                                     (sm_90; plain elsewhere)
     layernorm, residual_layernorm                    step 3
-    flash_attention_qkv, decode_attention            step 2
+    flash_attention_qkv, decode_attention            step 2 (decode_attention launched as this module's)
 
 Swapping one op. `model.py` calls every kernel through this module object (`ops.bias_gelu(...)`, never a
 name imported from it), at call time, so replacing an attribute here swaps the op everywhere the model
@@ -42,7 +43,8 @@ import numpy as np
 
 from common import (allow_dynamic_smem, device_info, expect_array, expect_choice, get_kernel, launch_grid,
                     null_or, occupancy, out_array)
-from step2_attention.flash import decode_attention, decode_split_count, flash_attention_qkv  # noqa: F401
+from step2_attention import flash
+from step2_attention.flash import decode_split_count, flash_attention_qkv  # noqa: F401
 from step3_fused.ops import layernorm, residual_layernorm  # noqa: F401
 from step4_gpt2 import pdl
 from step4_gpt2.quantize import KIND_OF_DTYPE, LowpWeight
@@ -70,13 +72,13 @@ _programmatic = False   # set by programmatic()
 
 @contextlib.contextmanager
 def programmatic(on: bool = True):
-    """Inside `with ops.programmatic():` this module's kernels (embedding, the GEMVs, argmax, advance) launch
-    with programmatic dependent launch (step4_gpt2/pdl.py) on sm_90 and newer: each may start while the kernel
-    before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads that kernel's output. Below
-    sm_90, and for the kernels of steps 2 and 3 this module re-exports (decode attention, LayerNorm), launches
-    stay plain. Either way the results are the same, as long as no kernel writes a GEMV's weights (gemv_v5/v6/v7
-    load their first weights before they wait; v3/v4 wait first); a CUDA graph captured inside keeps the early
-    starts. The switch is this module's state, not a thread's: one thread decodes at a time."""
+    """Inside `with ops.programmatic():` this module's kernels (embedding, the GEMVs, argmax, advance) and step
+    2's decode attention launch with programmatic dependent launch (step4_gpt2/pdl.py) on sm_90 and newer: each
+    may start while the kernel before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads
+    that kernel's output. Below sm_90, and for step 3's LayerNorm kernels (the decode plans that do not fuse it
+    into a GEMV), launches stay plain. Either way the results are the same, as long as no kernel writes a GEMV's
+    weights (gemv_v5/v6/v7 load their first weights before they wait; v3/v4 wait first); a CUDA graph captured
+    inside keeps the early starts. The switch is this module's state, not a thread's: one thread decodes at a time."""
     global _programmatic
     before, _programmatic = _programmatic, bool(on)
     try:
@@ -91,6 +93,14 @@ def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
         pdl.launch_pdl(fn, grid, block, args, shared_mem=shared_mem)
     else:
         fn(grid, block, args, shared_mem=shared_mem)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None = None, version: int = 2):
+    """Step 2's decode attention (step2_attention.flash.decode_attention, same arguments), its kernels launched
+    as this module's: with programmatic dependent launch inside programmatic() (decode_attention.cu waits
+    before it reads)."""
+    return flash.decode_attention(q, k_cache, v_cache, lengths, out=out, scale=scale, version=version,
+                                  launch=_launch)
 
 
 def defines(rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict:

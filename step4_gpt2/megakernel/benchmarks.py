@@ -5,8 +5,9 @@
 
 For batch 1 and 8 and a cache of about 32 and about 1000 rows (a prompt of `ctx` rows, shortened so that
 the STEPS new rows still fit GPT-2's 1024 positions), tokens/s of greedy decoding with:
-    eager launches -> CUDA graph (generate.Decoder) -> megakernel v1 (grid barriers) -> v2 (counters +
-    prefetch) -> v2 running all the steps in one launch (the kernel feeds its own tokens forward),
+    eager launches -> CUDA graph (generate.Decoder) -> the graph with programmatic dependent launch (sm_90 and
+    newer: each kernel may start while the one before it drains) -> megakernel v1 (grid barriers) -> v2
+    (counters + prefetch) -> v2 running all the steps in one launch (the kernel feeds its own tokens forward),
 and transformers' generate on the same weights, same GPU, same process (fp32, TF32 off).
 
 Each decoder prefills a prompt of `ctx` random tokens, then decodes STEPS tokens; the time of the decode
@@ -93,8 +94,16 @@ def hf_decode_s(hf, ids, steps: int = STEPS) -> float:
 
 
 LADDER = [("eager launches", "eager", {}), ("CUDA graph", "graph", {}),
+          ("CUDA graph + PDL", "graph", {"programmatic": True}),
           ("megakernel v1", "megakernel", {"version": 1}), ("megakernel v2", "megakernel", {"version": 2}),
           ("megakernel v2, all steps in one launch", "megakernel", {"version": 2, "steps_per_launch": STEPS})]
+
+
+def rungs() -> list:
+    """LADDER's rungs this GPU runs: the PDL rung needs sm_90 (step4_gpt2.pdl.PDL_ARCH)."""
+    from common.device import device_info
+    from step4_gpt2.pdl import PDL_ARCH
+    return [r for r in LADDER if not r[2].get("programmatic") or device_info()["sm"] >= PDL_ARCH]
 
 
 def ladder(model, hf=None, batches=BATCHES, ctxs=CTXS) -> tuple[list[Row], dict]:
@@ -108,7 +117,7 @@ def ladder(model, hf=None, batches=BATCHES, ctxs=CTXS) -> tuple[list[Row], dict]
             ids = random_ids(model.config, B, ctx)
             size = f"124M, b={B}, ctx {ctx}"
             per = {}
-            for label, mode, opts in LADDER:
+            for label, mode, opts in rungs():
                 dec = decoder(model, mode, B, ctx, **opts)
                 per[label] = decode_s(dec, ids) / STEPS
                 del dec

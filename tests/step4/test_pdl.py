@@ -250,6 +250,8 @@ DECODE_KERNELS = {
                            "argmax_v2": ("logits", "tokens", "pos", "lens", "row", "r4"),
                            "advance_v1": ("pos", "lens")},
     "step4_gpt2/gemv_lowp.cu": {"gemv_lowp": ("x", "x4", "y", "k_cache", "v_cache", "pos", "xs4")},
+    "step2_attention/decode_attention.cu": {"decode_split": ("q", "kc", "vc", "lengths", "out", "partial"),
+                                            "decode_combine": ("partial", "out", "p")},
 }
 
 
@@ -343,6 +345,11 @@ def test_the_decode_kernels_have_the_instructions_on_sm_90():
             if n.startswith(("gemv_v5", "gemv_v6", "gemv_v7")):
                 early = entries[n][:entries[n].index("griddepcontrol.wait")].count("ld.global.cs")
                 assert early == first_tile, f"{n}: {early} weight loads before the wait, not {first_tile}"
+    from step2_attention import flash                    # step 2's decode attention, launched by ops too
+    names = list(DECODE_KERNELS["step2_attention/decode_attention.cu"])
+    entries = _ptx_entries(flash.HERE / "decode_attention.cu", 90, names,
+                           {"HEAD_DIM": 64, "WARPS": flash.DECODE_WARPS})
+    assert all("griddepcontrol.wait" in entries[n] and "griddepcontrol.launch_dependents" in entries[n] for n in names)
 
 
 def _ptx_entries(path, arch: int, names, defines=None) -> dict:

@@ -95,6 +95,20 @@ def test_the_reading_path_imports_nothing_from_the_lab():
     assert out.strip() == "False", "lesson 4a's generate imports the megakernel"
 
 
+def test_the_ladder_has_a_pdl_rung_on_sm_90_only(monkeypatch):
+    """The graph with programmatic dependent launch is a rung of the ladder where the GPU runs it (sm_90+),
+    right after the plain graph it is compared with, and left out below."""
+    from common import device
+    from step4_gpt2.megakernel import benchmarks as BM
+    for sm, has in ((90, True), (100, True), (80, False), (70, False)):
+        monkeypatch.setattr(device, "device_info", lambda sm=sm: {"sm": sm})
+        labels = [label for label, _, _ in BM.rungs()]
+        assert ("CUDA graph + PDL" in labels) == has, sm
+        assert labels[:2] == ["eager launches", "CUDA graph"] and labels[-1].startswith("megakernel v2")
+        if has:
+            assert labels[2] == "CUDA graph + PDL" and BM.rungs()[2][1:] == ("graph", {"programmatic": True})
+
+
 def test_ladder_prompts_leave_room_for_the_decoded_rows():
     from step4_gpt2.megakernel import benchmarks as BM
     assert BM.prompt_len(G124, 32) == 32

@@ -421,7 +421,8 @@ def test_gelu_backward_writes_dpre_in_bf16_bit_for_bit(rows, cols, where, h16, m
     assert got is dpre16
     t = "float4" if cols % 4 == 0 and where in ("aligned", "bf16 +8 bytes") else "float"
     b = ops.BF16_OF[t]
-    assert names[::2] == [f"gelu_backward_partial<{t}, {t}, {t}>", f"gelu_backward_partial<{t}, {b}, {b if h16 else t}>"]
+    assert names[::2] == [f"gelu_backward_partial<{t}, {t}, {t}>",
+                          f"gelu_backward_partial<{t}, {b}, {b if h16 else t}>"], names
     assert _same_bits(dpre16, bf.to_bf16(dpre))
     assert _same_bits(dbias16, dbias)
     assert _same_bits(dout, _input(rand((rows, cols), 1), where))      # dout is only read
