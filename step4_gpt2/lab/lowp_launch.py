@@ -50,7 +50,7 @@ def launch_shape(kind: str, N: int, K: int, B: int, fusion: str, rows: int, unro
     """What the napkin math needs of one choice: registers per lane, the block and the grid (ops._v5_launch)."""
     epi = "EPI_RESID" if fusion == "residual" else "EPI_BIAS_GELU" if "gelu" in fusion else "EPI_BIAS"
     ln = "ln" in fusion
-    maxb = ops.gemv_module(B)                           # the module ops.gemv launches from
+    maxb = ops.gemv_module(B)                              # the module ops.gemv launches from
     fn = ops.lowp_kernel(f"gemv_v{ops.LOWP_VERSION[kind]}<{epi}, {'true' if ln else 'false'}>", rows, unroll, maxb)
     grid, block, _ = ops._v5_launch(fn, N, K, min(B, maxb), ln, rows, unroll, ops.LOWP_PER_LOAD[kind])
     return f"{fn.num_regs} regs, {block[0] // 32} warps x {grid[0]} blocks"

@@ -6,8 +6,9 @@
 //                   and one over the rest of the flat parameter buffer. Round to nearest even (flash.to_bf16's
 //                   bits); a NaN stays NaN.
 //   bias_bf16       y = bf16(y + bias[column]) in place, y bf16: the bias of the qkv GEMM, which writes bf16
-//                   itself (cuBLAS rounds its fp32 sums once; an fp32 output would cost twice the bytes written,
-//                   then read back by a cast).
+//                   itself (an fp32 output would cost twice the bytes written, then read back by a cast). So q, k
+//                   and v are rounded twice, bf16(bf16(x W) + b), where torch.autocast's GEMM adds the bias
+//                   before its one rounding: half a bf16 step more error at most, inside the checks' tolerance.
 //   gelu_bias_bf16  y = bf16(gelu(x + bias[column])), x bf16 (the c_fc GEMM's output, bias not yet added, stored
 //                   for the backward in half the bytes): the sum and the GELU in fp32, the output for the next
 //                   GEMM in bf16 (and, with recomputation, made again in the backward from x).
@@ -21,9 +22,9 @@
 // round with common/include/lowp.cuh's bf16_bits, so a fused output has the bits to_bf16 would give it.
 // Grid-stride loops over n elements (common.launch_grid); every architecture (bit operations only).
 // Each thread takes four neighbours at a time (a 16-byte load of fp32 x or an 8-byte one of bf16, an 8-byte store
-// of four bf16) where x and y are aligned for it, and one at a time otherwise: these kernels only stream, and with
-// a 4-byte load and a 2-byte store per thread they moved less than a third of the DRAM's bandwidth in a GPT-2
-// 124M step (Nsight Compute).
+// of four bf16) where x and y are aligned for it, and one at a time otherwise: these kernels only stream, and the
+// casts, one element per thread (a 4-byte load, a 2-byte store), moved less than a third of the DRAM's bandwidth
+// in a GPT-2 124M step (Nsight Compute).
 #include "course.cuh"       // gelu_tanh: the same formula as train_gpt2.cu's fp32 GELU
 #include "lowp.cuh"         // bf16_bits, bf16x4_bits: the rounding every bf16 output of the step shares;
                             // bf16_to_float, bf16x4_to_float4: the widening of a bf16 input

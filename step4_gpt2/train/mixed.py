@@ -24,7 +24,8 @@ What changes against model.py's fp32 TrainGPT, and what does not:
     the fp32 value back, and the bits are the same. The LayerNorm outputs and the GELU's input gradient exist
     only in bf16; the residual stream's gradient and dqkv are written in both, the fp32 values for the bias sums
     and the LayerNorm backward that adds into dres. Still cast after they are written: the weights (to_bf16). The
-    qkv GEMM writes bf16 and its bias is added in place (bias_bf16).
+    qkv GEMM writes bf16 and its bias is added in place (bias_bf16): q, k, v are rounded twice, bf16(bf16(x W) + b),
+    where torch.autocast rounds once after adding its bias.
 
 No loss scaling. fp16 training multiplies the loss by a large factor (and divides the gradients back) because
 fp16 has 5 exponent bits: gradients below about 6e-8 flush to zero. bf16 has fp32's 8 exponent bits, the same

@@ -30,12 +30,13 @@
 //                           (mixed.py stores the GELU's input as its GEMM wrote it); layernorm_backward(_vec)
 //                           writes dx16 beside dx, which the bias sums and the next LayerNorm backward still
 //                           read. Null pointers and O = H = T (the fp32 model's calls) leave each kernel as it was.
-//   T = float4, ..._vec     16-byte loads where C % 4 == 0 and the buffers are 16-byte aligned (ops.py
-//                           checks): a quarter of the load instructions and four times the bytes in flight
-//                           per thread. The column kernels take T = float or float4 (the same order of
-//                           additions per column, so the same bits); layernorm_forward_vec/backward_vec<VEC>
-//                           hold the row in registers (VEC float4 per lane): each byte is read from DRAM once
-//                           and every load of a row is issued before the first is used.
+//   T = float4, ..._vec     16-byte loads where C % 4 == 0 and the buffers are 16-byte aligned (a bf16 h: an
+//                           8-byte load, 8-byte aligned; ops.py checks): a quarter of the load instructions and
+//                           four times the bytes in flight per thread. The column kernels take T = float or
+//                           float4 (the same order of additions per column, so the same bits);
+//                           layernorm_forward_vec/backward_vec<VEC> hold the row in registers (VEC float4 per
+//                           lane): each byte is read from DRAM once and every load of a row is issued before the
+//                           first is used.
 //   attention               not here: the forward is step 2's flash attention (flash_attention.cu, which also
 //                           writes lse per row when given a buffer), the backward attention.cu (v1, v2) and
 //                           attention_tc.cu (v3, tensor cores).

@@ -172,9 +172,6 @@ def test_lab_options_are_named(cp):
     for kw, name in [(dict(threads=100), "threads"), (dict(max_blocks=0), "max_blocks")]:
         with pytest.raises(ValueError, match=name):
             LD.LabMegakernelDecoder(model, 1, 40, **kw)
-    for precision in ("bf16", "int8"):                   # their loads take no KEEP hint: refused, not ignored
-        with pytest.raises(ValueError, match=f"keep_layers_in_l2: fp32 weights only .* got a {precision} model"):
-            LD.LabMegakernelDecoder(types.SimpleNamespace(precision=precision), 1, 40, keep_layers_in_l2=True)
 
 
 @gpu

@@ -99,8 +99,9 @@ def test_activation_bytes_is_what_the_buffers_hold_and_recompute_saves_12C_per_t
 @gpu
 @pytest.mark.parametrize("recompute", [False, True])
 def test_activation_bytes_is_what_a_model_allocates(recompute):
-    """The bytes of the arrays a MixedGPT's activations hold after a step (each buffer once, however many layers
-    share it), counted from the arrays themselves, not from the table activation_bytes sums."""
+    """The bytes of the arrays a MixedGPT's activations hold after a step, counted from the arrays themselves
+    (each buffer once, however many layers share it): the recompute buffers' sharing as the table assumes it.
+    Memory the model would allocate outside _MixedActivations is not seen here."""
     import cupy as cp
     cfg, B, T = TINY, 3, 17
     m = MX.MixedGPT(cfg, random_weights(cfg, 1, notice=False), recompute=recompute)
@@ -186,7 +187,7 @@ def test_casts_against_numpy(shape, offset):
         bias = rand(shape[1], seed=2)
         x16, xr = as_bf16(x)
         y = _shifted(x16, offset)
-        assert bf.bias_bf16(y, cuda(bias)) is y                 # in place: the fp32 sum, rounded once
+        assert bf.bias_bf16(y, cuda(bias)) is y                 # in place: the fp32 sum of bf16 y and bias, rounded
         assert np.array_equal(from_bf16(y), bf16_round(xr.astype(np.float32) + bias))
         out = _shifted(poison(cp.empty(shape, cp.uint16)), offset)
         x16 = _shifted(x16, offset)
