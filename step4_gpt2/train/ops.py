@@ -211,9 +211,10 @@ def gelu_bias_backward(dout, h, bias, dpre=None, dbias=None, dpre16=None):
     if not rows:
         partial.fill(0)
     if dout.size:
-        vec = _bf16x4_rows(dpre16) and (_bf16x4_rows(h) if h16 else True)
+        vec = _bf16x4_rows(dpre16) and (not h16 or _bf16x4_rows(h))
         t, n = _elem(cols, dout, bias, dpre, *(() if h16 else (h,))) if vec else ("float", cols)
-        o, hh = (BF16_OF[t] if bf16 else t for bf16 in (dpre16 is not None, h16))     # dpre's and h's elements
+        o = BF16_OF[t] if dpre16 is not None else t          # dpre's element
+        hh = BF16_OF[t] if h16 else t                        # h's element
         _k(f"gelu_backward_partial<{t}, {o}, {hh}>")((-(-n // COLS), chunks), (COLS, ROWS),
                  (dout, h, bias, dpre if dpre16 is None else dpre16, partial, np.int32(rows), np.int32(n),
                   np.int32(CHUNK_ROWS)))

@@ -155,7 +155,7 @@ def classifier_bf16(logits, targets, losses=None, dlogits=None, scale: float | N
     elif dlogits is not None:
         raise ValueError("dlogits: pass it with grad=True only (grad=False computes the losses alone)")
     if N and V:
-        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, null_or(dlogits if grad else None),
+        _mixed("classifier_bf16")((N,), (_row_block(V),), (logits, targets, losses, null_or(dlogits),
                                                             np.int32(V), np.float32(1.0 / N if scale is None else scale)))
     return losses
 
