@@ -39,11 +39,11 @@
 //                       4-byte load at a time): the one the decode step launches.
 //   advance_v1          pos += 1, lens += 1 (after a token was sampled outside the graph).
 //
-// Programmatic dependent launch (common/include/pdl.cuh): every kernel a decode step launches calls
-// pdl_wait() before it reads another kernel's output or writes global memory, and pdl_launch_dependents()
-// right after, so that launched with the attribute (ops.programmatic, sm_90) it may start while the kernel
-// before it drains. gemv_v5 issues its first weight loads before the wait: no kernel writes the weights, so
-// that DRAM round trip overlaps the previous kernel's tail. Launched plainly, the two calls cost nothing.
+// Programmatic dependent launch (common/include/pdl.cuh): each kernel here that a decode step launches calls
+// pdl_wait() before it reads another kernel's output or writes global memory, then pdl_launch_dependents(),
+// so that launched with the attribute (ops.programmatic, sm_90) it may start while the kernel before it drains
+// (step 3's LayerNorms, in the split plan, launch plainly). gemv_v5 loads its first weights before the wait: no
+// kernel writes them, so that DRAM round trip overlaps the previous kernel's tail. Launched plainly, both are free.
 //
 // Compile-time knobs, passed by ops.py as defines (the defaults below are ops.py's values, so the file also
 // compiles alone, e.g. with nvcc): MAXB (batch rows per GEMV launch), ROWS (output rows per warp in gemv_v3, per block in
