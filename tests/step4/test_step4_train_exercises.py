@@ -127,6 +127,34 @@ def test_the_training_comparison_itself_catches_a_wrong_kernel(tmp_path, ex_id, 
     assert len(cases) == 2 and not cases[0].passed, cases          # the first step's gradients, at least
 
 
+
+@gpu
+def test_the_gelu_swap_takes_the_bf16_models_arguments():
+    """The bf16 model calls gelu_bias_backward with h in bf16 and asks for dpre's bf16 bits in dpre16: the swap
+    widens h for the learner's fp32 kernel and casts its dpre into dpre16. With the solution's kernel, dpre16
+    and dbias match the course op's on the same bf16 h (dpre16 within bf16's rounding, dbias fp32-close)."""
+    import cupy as cp
+    from common import assert_close, poison
+    from common.kernels import get_kernel
+    from step2_attention.flash import bf16_to_float32
+    from step4_gpt2.train import ops
+    from step4_gpt2.train.ops_bf16 import to_bf16
+    ex = E.exercise("step4/gelu_backward")
+    _, swapped = X.swap(ex.id, lambda name: get_kernel(ROOT / ex.solution, name, ex.defines))
+    rng = np.random.default_rng(4)
+    rows, cols = 37, 133
+    dout = cp.asarray(rng.standard_normal((rows, cols)).astype(np.float32) + 0.1)
+    h16 = to_bf16(cp.asarray(rng.standard_normal((rows, cols)).astype(np.float32) * 2 + 0.1))
+    bias = cp.asarray(rng.standard_normal(cols).astype(np.float32) + 0.1)
+    got16, gotb = poison(cp.empty((rows, cols), cp.uint16)), poison(cp.empty(cols, cp.float32))
+    got = swapped(dout, h16, bias, dpre16=got16, dbias=gotb)
+    assert got[0] is got16 and got[1] is gotb
+    want16, wantb = ops.gelu_bias_backward(dout, h16, bias, dpre16=cp.empty((rows, cols), cp.uint16),
+                                           dbias=cp.empty(cols, cp.float32))
+    assert_close(bf16_to_float32(got16), bf16_to_float32(want16).get(), rtol=1e-2, name="dpre16")
+    assert_close(gotb, wantb.get(), rtol=1e-5, name="dbias")
+
+
 # ------------------------------------------------------------------------------------------- small GPUs
 def test_batch_that_fits_halves_until_the_activations_fit(monkeypatch):
     from step4_gpt2.train import train as TR

@@ -429,6 +429,28 @@ def test_gelu_backward_writes_dpre_in_bf16_bit_for_bit(rows, cols, where, h16, m
     assert _same_bits(dout, _input(rand((rows, cols), 1), where))      # dout is only read
 
 
+
+@gpu
+@pytest.mark.parametrize("rows,cols", [(7, 132), (33, 6400)])
+def test_gelu_backward_reads_a_misaligned_bf16_h_one_element_at_a_time(rows, cols, monkeypatch):
+    """h in bf16 two bytes off while dout, bias and dpre16 are aligned: h's alignment alone stops the 8-byte
+    loads (ops._bf16x4_rows(h)), so the float kernel runs, and its dpre16 and dbias are the aligned h's bit for
+    bit (the test above misaligns h only together with dout)."""
+    import cupy as cp
+    from step4_gpt2.train import ops
+    names = _names(monkeypatch)
+    dout, bias = cuda(rand((rows, cols), 1)), cuda(rand(cols, 3))
+    hb = bf.to_bf16(cuda(rand((rows, cols), 2, 2.0)))
+    want16, wantb = poison(cp.empty((rows, cols), cp.uint16)), poison(cp.empty(cols, cp.float32))
+    ops.gelu_bias_backward(dout, hb, bias, dpre16=want16, dbias=wantb)
+    got16, gotb = poison(cp.empty((rows, cols), cp.uint16)), poison(cp.empty(cols, cp.float32))
+    ops.gelu_bias_backward(dout, _shifted(hb, 1), bias, dpre16=got16, dbias=gotb)
+    b = ops.BF16_OF
+    assert names[::2] == [f"gelu_backward_partial<float4, {b['float4']}, {b['float4']}>",
+                          f"gelu_backward_partial<float, {b['float']}, {b['float']}>"], names
+    assert _same_bits(got16, want16) and _same_bits(gotb, wantb)
+
+
 LN_SHAPES = [(1, 4), (37, 45), (13, 132), (77, 768), (5, 1024), (9, 1600)]
 
 
