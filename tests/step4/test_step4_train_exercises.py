@@ -127,7 +127,6 @@ def test_the_training_comparison_itself_catches_a_wrong_kernel(tmp_path, ex_id, 
     assert len(cases) == 2 and not cases[0].passed, cases          # the first step's gradients, at least
 
 
-
 @gpu
 def test_the_gelu_swap_takes_the_bf16_models_arguments():
     """The bf16 model calls gelu_bias_backward with h in bf16 and asks for dpre's bf16 bits in dpre16: the swap

@@ -429,7 +429,6 @@ def test_gelu_backward_writes_dpre_in_bf16_bit_for_bit(rows, cols, where, h16, m
     assert _same_bits(dout, _input(rand((rows, cols), 1), where))      # dout is only read
 
 
-
 @gpu
 @pytest.mark.parametrize("rows,cols", [(7, 132), (33, 6400)])
 def test_gelu_backward_reads_a_misaligned_bf16_h_one_element_at_a_time(rows, cols, monkeypatch):
