@@ -53,32 +53,34 @@ extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict_
 // The bias kernels: element i is in column i % cols; a thread's four neighbours may wrap into the next row.
 __device__ __forceinline__ int next_col(int c, int cols) { return c + 1 == cols ? 0 : c + 1; }
 
-extern "C" __global__ void bias_bf16(u16* __restrict__ y, const float* __restrict__ bias, long long n, int cols) {
-    GRID_STRIDE;
-    const long long n4 = vec4(y, y, 8) ? n / 4 : 0;
-    for (long long v = tid; v < n4; v += stride) {
-        const uint2 u = reinterpret_cast<const uint2*>(y)[v];
-        const float4 a = bf16x4_to_float4(u.x, u.y);
-        const int c0 = (int)(4 * v % cols), c1 = next_col(c0, cols), c2 = next_col(c1, cols), c3 = next_col(c2, cols);
-        reinterpret_cast<uint2*>(y)[v] = bf16x4_bits(a.x + bias[c0], a.y + bias[c1], a.z + bias[c2], a.w + bias[c3]);
-    }
-    for (long long i = 4 * n4 + tid; i < n; i += stride)
-        y[i] = bf16_bits(bf16_to_float(y[i]) + bias[i % cols]);
-}
-
-extern "C" __global__ void gelu_bias_bf16(const u16* __restrict__ x, const float* __restrict__ bias,
-                                          u16* __restrict__ y, long long n, int cols) {
+// y = bf16(act(x + bias[column])), x bf16; act = GELU or nothing. x may be y (bias_bf16 works in place), so
+// neither pointer is __restrict__: a thread reads its elements before it writes them.
+template <bool GELU>
+__device__ __forceinline__ void bias_act_bf16(const u16* x, const float* __restrict__ bias, u16* y, long long n,
+                                              int cols) {
     GRID_STRIDE;
     const long long n4 = vec4(x, y, 8) ? n / 4 : 0;
     for (long long v = tid; v < n4; v += stride) {
         const uint2 u = reinterpret_cast<const uint2*>(x)[v];
         const float4 a = bf16x4_to_float4(u.x, u.y);
         const int c0 = (int)(4 * v % cols), c1 = next_col(c0, cols), c2 = next_col(c1, cols), c3 = next_col(c2, cols);
-        reinterpret_cast<uint2*>(y)[v] = bf16x4_bits(gelu_tanh(a.x + bias[c0]), gelu_tanh(a.y + bias[c1]),
-                                                     gelu_tanh(a.z + bias[c2]), gelu_tanh(a.w + bias[c3]));
+        float4 r = make_float4(a.x + bias[c0], a.y + bias[c1], a.z + bias[c2], a.w + bias[c3]);
+        if (GELU) r = make_float4(gelu_tanh(r.x), gelu_tanh(r.y), gelu_tanh(r.z), gelu_tanh(r.w));
+        reinterpret_cast<uint2*>(y)[v] = bf16x4_bits(r);
     }
-    for (long long i = 4 * n4 + tid; i < n; i += stride)
-        y[i] = bf16_bits(gelu_tanh(bf16_to_float(x[i]) + bias[i % cols]));
+    for (long long i = 4 * n4 + tid; i < n; i += stride) {
+        const float r = bf16_to_float(x[i]) + bias[i % cols];
+        y[i] = bf16_bits(GELU ? gelu_tanh(r) : r);
+    }
+}
+
+extern "C" __global__ void bias_bf16(u16* y, const float* __restrict__ bias, long long n, int cols) {
+    bias_act_bf16<false>(y, bias, y, n, cols);
+}
+
+extern "C" __global__ void gelu_bias_bf16(const u16* __restrict__ x, const float* __restrict__ bias,
+                                          u16* __restrict__ y, long long n, int cols) {
+    bias_act_bf16<true>(x, bias, y, n, cols);
 }
 
 // As step3_fused/train_forward.cu's classifier_fused in its training mode, without a bias, on bf16 logits z (the
