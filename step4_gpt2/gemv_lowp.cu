@@ -36,6 +36,9 @@
 //                a weight is at most max|w_row| / 254, small unless a row's maximum (an outlier) dwarfs the
 //                rest; per-group scales pay off at 4 bits, where the step is 16x coarser. The lesson's
 //                perplexity table measures what per-row costs on a trained model.
+//   gemv_v8/v9   v6/v7 on the tensor cores (bf16 / int8 weights): one mma.sync.m16n8k16 takes 8 rows of W
+//                against up to 8 batch rows of x, so batch 8 costs the instructions of batch 1; x is rounded to
+//                bf16 / fp16 for it. ops.lowp_version picks them from batch 2 on (the section below).
 //   dequant_bf16_v1, dequant_int8_v1
 //                the prefill path: widen a whole matrix to fp32 once, then cuBLAS multiplies (ops.matmul_lowp).
 //
@@ -252,6 +255,268 @@ gemv_v7(const float* __restrict__ x, const signed char* __restrict__ W, const fl
         const float* __restrict__ ln_b, float eps, float* __restrict__ k_cache, float* __restrict__ v_cache,
         const int* __restrict__ pos, int H, int L) {
     gemv_lowp<W_I8, EPI, LN>(x, W, scale, bias, y, B, N, K, ln_w, ln_b, eps, k_cache, v_cache, pos, H, L);
+}
+
+// ------------------------------------------------------------------------------------------ tensor cores
+// v8 (bf16) and v9 (int8): the same GEMV on the tensor cores. At batch 1 a weight does one FMA, so v6/v7 spend
+// an FMA instruction per weight, and v7 two more to widen it (a byte permute and an FADD): at int8 that is about
+// 3 instructions per byte read, and the SM's issue rate, not DRAM, sets the pace. One mma.sync.m16n8k16 does
+// 16 x 8 x 16 multiply-adds; here it takes 8 rows of W (its B operand, 8 columns) against the batch's rows of
+// x (its A operand, 16 rows, those past the batch zero), so it does the work of 128 FMA instructions at batch 1
+// (1024 at batch 8, which costs the same: the tensor core's idle rows are free, the instructions are not).
+//
+//   lane (g, t) = (lane / 4, lane % 4) of a warp: W row n0 + g, x row (batch) g, and 16 bytes of each row at
+//   k = c*KC + t*PER .. + PER - 1 in chunk c of KC = 4*PER weights (PER = 8 bf16 or 16 int8: one 16-byte load).
+//
+// The k order inside an mma does not matter, so long as x and W agree: the mma wants lane t to hold k = 2t,
+// 2t+1, 2t+8, 2t+9 of each 16-wide k step; we give it the lane's own four contiguous weights instead (one
+// 16-byte load from the row, no shuffling) and read x's matching four. Weight -> mma operand:
+//   bf16: as stored (bf16 pairs are the operand's format); x is rounded to bf16 once, in shared memory.
+//   int8: byte permute into the fp16 1024 + (q + 128), then one half2 subtract of 1152: q, exactly (fp16 holds
+//         every integer up to 2048); two weights per permute and per subtract. x is rounded to fp16.
+// The products are summed in fp32 by the tensor core; the row scale (int8) and the epilogue as in v6/v7.
+// Blocks: TC_ROWS rows (TC_ROWS / 8 mma tiles) by TC_WARPS warps that split K chunk by chunk, each lane
+// holding TC_UNROLL chunks' 16-byte loads per tile in flight; the warps' sums meet in shared memory.
+// The LayerNorm prologue is shared by the block's threads (the statistics reduced across warps).
+// Needs sm_80 for bf16 (mma.sync bf16), sm_75 for int8 (fp16 mma: two m16n8k8 there); ops.py checks.
+#ifndef TC_ROWS
+#define TC_ROWS 16
+#endif
+#ifndef TC_WARPS
+#define TC_WARPS 8
+#endif
+#ifndef TC_UNROLL
+#define TC_UNROLL 4
+#endif
+#include "mma.cuh"
+
+template <int WT> struct Tc {
+    static constexpr int PER = WeightFormat<WT>::PER_LOAD;   // a lane's weights per chunk and row
+    static constexpr int KC = 4 * PER;                        // k per chunk (4 lanes side by side)
+    static constexpr int MMAS = PER / 4;                      // k16 mma steps per chunk: 4 k per lane each
+    // Words (operand pairs) per x row in shared memory: the chunks, rounded up to 32 words, plus a shift of
+    // 16 (bf16) or 4 (int8) banks, so that the lanes of one 16-byte read (t = 0..3 of rows g, g+1) hit distinct
+    // banks at every batch size. ops.py's tc_row_words is the same formula.
+    static __device__ __forceinline__ int row_words(int nchunks) {
+        return (nchunks * KC / 2 + 31) / 32 * 32 + (WT == W_BF16 ? 16 : 4);
+    }
+};
+constexpr int TC_TILES = TC_ROWS / 8;
+static_assert(TC_ROWS % 8 == 0 && MAXB <= 8, "a tile is 8 rows of W; the batch fills at most 8 of the mma's 16 rows");
+
+// Two floats as one register of two 16-bit operands, the first in the low half: bf16 (round to nearest even,
+// lowp.cuh) or fp16.
+template <int WT>
+__device__ __forceinline__ unsigned pack_x2(float lo, float hi) {
+    if constexpr (WT == W_BF16) {
+        return bf16x2_bits(lo, hi);
+    } else {
+        unsigned short a, b;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(a) : "f"(lo));
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(hi));
+        return (unsigned)a | ((unsigned)b << 16);
+    }
+}
+
+// int8 weights -> fp16 pairs: bytes (2i, 2i+1) of word v as q, exactly.
+__device__ __forceinline__ unsigned i8x2_to_half2(unsigned v, bool high) {
+    const unsigned h = __byte_perm(v ^ 0x80808080u, 0x64646464u, high ? 0x5342 : 0x5140);   // 1024 + q + 128
+    unsigned r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64806480u));                     // - 1152
+    return r;
+}
+
+template <int WT>
+__device__ __forceinline__ void tc_load(uint4 (&w)[TC_TILES][TC_UNROLL], const uint4* __restrict__ Wv, int n0, int N,
+                                        int KV, int nchunks, int round) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int tt = 0; tt < TC_TILES; ++tt) {
+        const int n = n0 + tt * 8 + g;
+        const uint4* row = Wv + (long long)(n < N ? n : N - 1) * KV;       // past N: a valid row, dropped
+#pragma unroll
+        for (int u = 0; u < TC_UNROLL; ++u) {
+            const int c = warp + (round * TC_UNROLL + u) * TC_WARPS, v = c * 4 + t;
+            w[tt][u] = c < nchunks && v < KV ? __ldcs(row + v) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+template <int WT, int EPI, bool LN>
+__device__ __forceinline__ void gemv_tc(const float* __restrict__ x, const void* __restrict__ W,
+                                        const float* __restrict__ scale, const float* __restrict__ bias,
+                                        float* __restrict__ y, int B, int N, int K, const float* __restrict__ ln_w,
+                                        const float* __restrict__ ln_b, float eps, float* __restrict__ k_cache,
+                                        float* __restrict__ v_cache, const int* __restrict__ pos, int H, int L) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
+    __trap();      // ops.py launches v9 on sm_75 and newer, v8 on sm_80 (on sm_75 its bf16 mma traps)
+#else
+    using T = Tc<WT>;
+    extern __shared__ float4 xs4[];          // LN: B x K floats, then the operands; else the operands only
+    __shared__ float red[2][TC_WARPS][MAXB][TC_ROWS];
+    __shared__ float stat[2][TC_WARPS][MAXB];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, t = lane & 3;
+    const int K4 = K / 4, KV = K / T::PER, nchunks = (K + T::KC - 1) / T::KC;
+    const int SW = T::row_words(nchunks);                     // words of operand pairs per x row
+    const int rounds = ((nchunks + TC_WARPS - 1) / TC_WARPS + TC_UNROLL - 1) / TC_UNROLL;
+    const int ntiles = (N + TC_ROWS - 1) / TC_ROWS;
+    float* xf = reinterpret_cast<float*>(xs4);
+    unsigned* xh = reinterpret_cast<unsigned*>(xs4) + (LN ? B * K : 0);   // after xf: B x SW words
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const uint4* Wv = reinterpret_cast<const uint4*>(W);
+    int tile = blockIdx.x;
+    uint4 w[TC_TILES][TC_UNROLL];
+    if (tile < ntiles) tc_load<WT>(w, Wv, tile * TC_ROWS, N, KV, nchunks, 0);
+    pdl_wait();
+    pdl_launch_dependents();
+    // ---- x into shared memory as mma operands (LN: normalised first, the block's threads sharing each row)
+    float mean[MAXB], rstd[MAXB];
+    if (LN) {
+        float4* xf4 = reinterpret_cast<float4*>(xf);
+        float s[MAXB];
+#pragma unroll
+        for (int b = 0; b < MAXB; ++b) {
+            s[b] = 0.0f;
+            if (b < B)
+                for (int k = threadIdx.x; k < K4; k += blockDim.x) {
+                    const float4 v = x4[(long long)b * K4 + k];
+                    xf4[b * K4 + k] = v;
+                    s[b] += (v.x + v.y) + (v.z + v.w);
+                }
+            s[b] = warp_sum(s[b]);
+            if (lane == 0) stat[0][warp][b] = s[b];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int b = 0; b < MAXB; ++b) {
+            float m = 0.0f;
+            for (int v = 0; v < TC_WARPS; ++v) m += stat[0][v][b];
+            mean[b] = m / K;
+            float q = 0.0f;
+            if (b < B)
+                for (int k = threadIdx.x; k < K4; k += blockDim.x) {
+                    const float4 v = xf4[b * K4 + k];
+                    const float a = v.x - mean[b], c = v.y - mean[b], d = v.z - mean[b], e = v.w - mean[b];
+                    q += (a * a + c * c) + (d * d + e * e);
+                }
+            q = warp_sum(q);
+            if (lane == 0) stat[1][warp][b] = q;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int b = 0; b < MAXB; ++b) {
+            float q = 0.0f;
+            for (int v = 0; v < TC_WARPS; ++v) q += stat[1][v][b];
+            rstd[b] = rsqrtf(q / K + eps);
+        }
+    }
+    const float4* g4 = reinterpret_cast<const float4*>(ln_w);
+    const float4* o4 = reinterpret_cast<const float4*>(ln_b);
+    for (int i = threadIdx.x; i < B * (SW / 2); i += blockDim.x) {
+        const int b = i / (SW / 2), k = i - b * (SW / 2);
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);                  // zeros past K
+        if (k < K4) {
+            if (LN) {
+                float mu = mean[0], r = rstd[0];
+#pragma unroll
+                for (int bb = 1; bb < MAXB; ++bb)
+                    if (bb == b) { mu = mean[bb]; r = rstd[bb]; }
+                const float4 u = reinterpret_cast<const float4*>(xf)[b * K4 + k], gg = __ldg(g4 + k), oo = __ldg(o4 + k);
+                v = make_float4((u.x - mu) * r * gg.x + oo.x, (u.y - mu) * r * gg.y + oo.y,
+                                (u.z - mu) * r * gg.z + oo.z, (u.w - mu) * r * gg.w + oo.w);
+            } else {
+                v = x4[(long long)b * K4 + k];
+            }
+        }
+        *reinterpret_cast<uint2*>(xh + b * SW + 2 * k) = make_uint2(pack_x2<WT>(v.x, v.y), pack_x2<WT>(v.z, v.w));
+    }
+    __syncthreads();
+    // ---- the tiles
+    for (int it = 0; tile < ntiles; tile += gridDim.x, ++it) {
+        const int n0 = tile * TC_ROWS;
+        float d[TC_TILES][4];
+#pragma unroll
+        for (int tt = 0; tt < TC_TILES; ++tt) d[tt][0] = d[tt][1] = d[tt][2] = d[tt][3] = 0.0f;
+        for (int round = 0; round < rounds; ++round) {
+            uint4 wn[TC_TILES][TC_UNROLL];                    // the next loads fly while these are multiplied
+            if (round + 1 < rounds) tc_load<WT>(wn, Wv, n0, N, KV, nchunks, round + 1);
+            else if (tile + (int)gridDim.x < ntiles) tc_load<WT>(wn, Wv, (tile + gridDim.x) * TC_ROWS, N, KV, nchunks, 0);
+#pragma unroll
+            for (int u = 0; u < TC_UNROLL; ++u) {
+                const int c = warp + (round * TC_UNROLL + u) * TC_WARPS;
+                if (c >= nchunks) break;
+                unsigned xa[T::PER / 2];                      // x row g at this lane's k: operand pairs
+                const uint4* xr = reinterpret_cast<const uint4*>(xh + g * SW + (c * T::KC + t * T::PER) / 2);
+#pragma unroll
+                for (int j = 0; j < T::PER / 8; ++j) {
+                    const uint4 v = g < B ? xr[j] : make_uint4(0u, 0u, 0u, 0u);
+                    xa[4 * j] = v.x; xa[4 * j + 1] = v.y; xa[4 * j + 2] = v.z; xa[4 * j + 3] = v.w;
+                }
+#pragma unroll
+                for (int j = 0; j < T::MMAS; ++j) {
+                    const unsigned a[4] = {xa[2 * j], 0u, xa[2 * j + 1], 0u};   // A rows 8-15 (batch 8-15): zero
+#pragma unroll
+                    for (int tt = 0; tt < TC_TILES; ++tt) {
+                        unsigned b0, b1;
+                        if constexpr (WT == W_BF16) {
+                            b0 = word(w[tt][u], 2 * j);
+                            b1 = word(w[tt][u], 2 * j + 1);
+                        } else {
+                            b0 = i8x2_to_half2(word(w[tt][u], j), false);
+                            b1 = i8x2_to_half2(word(w[tt][u], j), true);
+                        }
+                        mma16816<WT == W_BF16>(d[tt], a, b0, b1);
+                    }
+                }
+            }
+            if (round + 1 < rounds || tile + (int)gridDim.x < ntiles) {
+#pragma unroll
+                for (int tt = 0; tt < TC_TILES; ++tt)
+#pragma unroll
+                    for (int u = 0; u < TC_UNROLL; ++u) w[tt][u] = wn[tt][u];
+            }
+        }
+        // d[tt][0..1]: batch row g, W rows n0 + tt*8 + 2t, +1 (d[tt][2..3]: batch rows 8-15, unused)
+        float (*rd)[MAXB][TC_ROWS] = red[it & 1];
+        if (g < B) {
+#pragma unroll
+            for (int tt = 0; tt < TC_TILES; ++tt) {
+                rd[warp][g][tt * 8 + 2 * t] = d[tt][0];
+                rd[warp][g][tt * 8 + 2 * t + 1] = d[tt][1];
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < TC_ROWS * B; i += blockDim.x) {
+            const int b = i / TC_ROWS, r = i - b * TC_ROWS, n = n0 + r;
+            if (n < N) {
+                float s = 0.0f;
+                for (int v = 0; v < TC_WARPS; ++v) s += rd[v][b][r];
+                if (WT == W_I8) s *= scale[n];
+                gemv_store<EPI>(s, b, n, N, bias, y, k_cache, v_cache, pos, H, L);
+            }
+        }
+    }
+#endif
+}
+
+// v8: W (N, K) bf16 bit patterns, on the tensor cores (x rounded to bf16). Arguments as gemv_v6.
+template <int EPI, bool LN>
+__global__ void __launch_bounds__(32 * TC_WARPS)
+gemv_v8(const float* __restrict__ x, const unsigned short* __restrict__ W, const float* __restrict__ bias,
+        float* __restrict__ y, int B, int N, int K, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+        float eps, float* __restrict__ k_cache, float* __restrict__ v_cache, const int* __restrict__ pos,
+        int H, int L) {
+    gemv_tc<W_BF16, EPI, LN>(x, W, nullptr, bias, y, B, N, K, ln_w, ln_b, eps, k_cache, v_cache, pos, H, L);
+}
+
+// v9: W (N, K) int8 with scale (N,), on the tensor cores (weights as fp16, x rounded to fp16). As gemv_v7.
+template <int EPI, bool LN>
+__global__ void __launch_bounds__(32 * TC_WARPS)
+gemv_v9(const float* __restrict__ x, const signed char* __restrict__ W, const float* __restrict__ scale,
+        const float* __restrict__ bias, float* __restrict__ y, int B, int N, int K, const float* __restrict__ ln_w,
+        const float* __restrict__ ln_b, float eps, float* __restrict__ k_cache, float* __restrict__ v_cache,
+        const int* __restrict__ pos, int H, int L) {
+    gemv_tc<W_I8, EPI, LN>(x, W, scale, bias, y, B, N, K, ln_w, ln_b, eps, k_cache, v_cache, pos, H, L);
 }
 
 // ------------------------------------------------------------------------------------------ prefill

@@ -15,6 +15,8 @@ generate() checks the prompts, pads them into one batch and hands the decoding t
 - programmatic=True: the step's kernels (embedding, GEMVs, decode attention, argmax) launch with programmatic
   dependent launch on sm_90 and newer (`ops.programmatic`): each starts while the one before it drains (v5/v6/v7's
   GEMVs with their first weight loads), in the graph as eagerly; below sm_90 the launches stay plain.
+- tensor_cores=False: the bf16/int8 GEMVs stay on the CUDA cores (v6/v7, x in fp32) at every batch, as at batch 1;
+  by default a batch of 2 or more takes the tensor-core GEMVs (v8/v9, `ops.lowp_version`).
 - `decoder=`: another Decoder subclass, built with the same arguments (model, batch, cache length, greedy,
   and the options given to generate); generate() drives it the same way.
 The decoder (its KV cache, buffers and graphs) is kept on the model for the next call with the same class,
@@ -154,15 +156,17 @@ class Decoder:
     choose is None for greedy decoding (argmax on the device), else a function logits (B, V) CuPy -> (B,)
     integer CuPy token ids (generate's seeded sampler). Options here: cuda_graph (False: eager launches);
     plan ("fused" / "split", None = model.py's plan_for(batch)); programmatic (True: the step's kernels launch
-    with programmatic dependent launch where the GPU has it, ops.programmatic).
+    with programmatic dependent launch where the GPU has it, ops.programmatic); tensor_cores (False: bf16/int8
+    GEMVs on the CUDA cores at every batch, ops.tensor_cores).
     """
 
     def __init__(self, model, batch: int, length: int, greedy: bool = True, cuda_graph: bool = True,
-                 plan: str | None = None, programmatic: bool = False):
+                 plan: str | None = None, programmatic: bool = False, tensor_cores: bool = True):
         require_gpu()
         from step4_gpt2.model import PLANS, plan_for
         self.mode = "graph" if cuda_graph else "eager"
         self.programmatic = bool(programmatic)
+        self.tensor_cores = bool(tensor_cores)
         self.plan = expect_choice(plan or plan_for(batch), "plan", PLANS)
         self.graphs: dict = {}        # attention version -> CUDA graph of one step
         self.warmed = False           # one eager step has run (kernels compiled, workspaces allocated)
@@ -243,7 +247,7 @@ class Decoder:
         self.info["attention_versions"].add(version)
 
         def step():
-            with ops.programmatic(self.programmatic):
+            with ops.programmatic(self.programmatic), ops.tensor_cores(self.tensor_cores):
                 m.decode_step(s, greedy=self.greedy, attention_version=version, plan=self.plan)
 
         graph = self.mode == "graph"
@@ -328,7 +332,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     (None: a vocabulary without an end-of-text token; nothing stops). Raises ValueError if a prompt plus the
     new tokens would not fit the context (block_size).
     decoder: None for the course's Decoder, or a Decoder subclass; decoder_options go to its constructor
-    (Decoder: cuda_graph=False for eager launches, plan, programmatic)."""
+    (Decoder: cuda_graph=False for eager launches, plan, programmatic, tensor_cores)."""
     check_sampling(temperature, top_k, top_p)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")

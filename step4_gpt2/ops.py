@@ -62,12 +62,19 @@ V5_BLOCKS_PER_SM = 16   # gemv_v5: grid cap; bigger matrices (the LM head) loop 
 V5_LN_BLOCKS_PER_SM = 4  # ... with a LayerNorm prologue over > 2 rows: fewer blocks, each normalising once
 ARGMAX_BATCH = 4        # argmax_v2: 16-byte loads in flight per thread
 GEMV_VERSIONS = (1, 2, 3, 4, 5)   # fp32 weights (gpt2.cu)
-GEMV_LOWP_VERSIONS = (6, 7)       # bf16 and int8 weights (gemv_lowp.cu): v5's design, fewer bytes per weight
+GEMV_LOWP_VERSIONS = (6, 7, 8, 9)  # bf16 and int8 weights (gemv_lowp.cu): v5's design (6, 7), on tensor cores (8, 9)
 LOWP_VERSION = {"bf16": 6, "int8": 7}
+TC_VERSION = {"bf16": 8, "int8": 9}
+TC_ARCH = {"bf16": 80, "int8": 75}          # mma.sync with bf16 operands needs sm_80, with fp16 sm_75
+TC_ROWS = 16            # gemv_v8/v9: rows of W per block (two 8-row mma tiles)
+TC_WARPS = 8            # gemv_v8/v9: warps per block, splitting K
+TC_UNROLL = 4           # gemv_v8/v9: 16-byte loads per tile a lane has in flight
+TC_BLOCKS_PER_SM = 4    # gemv_v8/v9: grid cap; past it blocks loop over tiles
 LOWP_PER_LOAD = {"bf16": 8, "int8": 16}     # weights per 16-byte load: K must be a multiple
 LOWP_CU = Path(__file__).resolve().parent / "gemv_lowp.cu"
 NULL = null_or(None)    # an unused pointer argument
 _programmatic = False   # set by programmatic()
+_tensor_cores = True    # set by tensor_cores()
 
 
 @contextlib.contextmanager
@@ -85,6 +92,19 @@ def programmatic(on: bool = True):
         yield
     finally:
         _programmatic = before
+
+
+@contextlib.contextmanager
+def tensor_cores(on: bool = True):
+    """Inside `with ops.tensor_cores(False):` a bf16/int8 GEMV that is not given a version stays on the CUDA cores
+    (v6/v7) at every batch, as at batch 1 (lowp_version): x multiplied in fp32, as the megakernel does, where
+    a decode is to match it bit for bit. Like programmatic(), this module's state, not a thread's."""
+    global _tensor_cores
+    before, _tensor_cores = _tensor_cores, bool(on)
+    try:
+        yield
+    finally:
+        _tensor_cores = before
 
 
 def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
@@ -245,7 +265,8 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
       residual=True: out += x @ W^T + bias, in place (out is the residual stream, required).
     rows/unroll: v5's rows per tile and 16-byte loads in flight per lane and row (a module compiled per pair).
     W uint16 (bf16 bits) or int8 (with scale=, (N,) float32), or a LowpWeight: gemv_v6 / gemv_v7 (gemv_lowp.cu),
-    with every v5 fusion; version None picks the kernel from W's dtype."""
+    with every v5 fusion, or their tensor-core versions gemv_v8 / gemv_v9 (rows/unroll are v6/v7's); version
+    None picks the kernel from W's dtype and the batch (lowp_version)."""
     W, scale = _unpack(W, scale)
     if scale is not None or _dtype(W) in (np.uint16, np.int8) or version in GEMV_LOWP_VERSIONS:
         return _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, unroll)
@@ -350,14 +371,53 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
 
 # ----------------------------------------------------------------------------- fewer bytes per weight
 def lowp_defines(rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict:
-    """gemv_lowp.cu's defines: v5's constants (rows per tile, 16-byte loads per row a lane has in flight,
-    batch rows per launch: gemv_module)."""
+    """gemv_lowp.cu's defines for v6/v7 and the prefill's kernels: v5's constants (rows per tile, 16-byte loads
+    per row a lane has in flight, batch rows per launch: gemv_module)."""
     return {"MAXB": maxb, "ROWS": rows, "UNROLL": unroll, "MAXWARPS": V5_MAXWARPS}
 
 
+def tc_defines(maxb: int = MAXB) -> dict:
+    """gemv_lowp.cu's defines for v8/v9 (compiled in a module of their own: v6/v7's rows and unroll play no part)."""
+    return {"MAXB": maxb, "TC_ROWS": TC_ROWS, "TC_WARPS": TC_WARPS, "TC_UNROLL": TC_UNROLL}
+
+
+def tc_row_words(K: int, kind: str) -> int:
+    """4-byte words per row of x in gemv_v8/v9's shared memory (gemv_lowp.cu's Tc::row_words)."""
+    kc = 4 * LOWP_PER_LOAD[kind]
+    return (-(-K // kc) * kc // 2 + 31) // 32 * 32 + (16 if kind == "bf16" else 4)
+
+
+def tc_smem(K: int, nb: int, kind: str, ln: bool) -> int:
+    """Dynamic shared memory of a gemv_v8/v9 launch: nb rows of x as operands, after nb x K floats with LN."""
+    return (nb * K * 4 if ln else 0) + nb * tc_row_words(K, kind) * 4
+
+
+def _tc_call(fn, N, K, nb, ln, kind, args):
+    smem = tc_smem(K, nb, kind, ln)
+    allow_dynamic_smem(fn, smem, f"ln / batch: {nb} row(s) of x with K={K} in shared memory")
+    per_sm = max(1, min(TC_BLOCKS_PER_SM, _resident(fn, 32 * TC_WARPS, smem)))
+    _launch(fn, launch_grid(N, TC_ROWS, per_sm=per_sm), (32 * TC_WARPS,), args, smem)
+
+
+def _tc_rows_per_launch(fn, K: int, kind: str, ln: bool, maxb: int) -> int:
+    """Batch rows per gemv_v8/v9 launch: maxb (at most 8, the mma's rows) or as many as shared memory holds."""
+    room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes
+    return max(1, min(maxb, room // tc_smem(K, 1, kind, ln)))
+
+
+def _check_tc(kind: str, version: int) -> None:
+    sm = device_info()["sm"]
+    if sm < TC_ARCH[kind]:
+        raise ValueError(f"version: gemv_v{version} runs {kind} weights on tensor cores, which needs sm_{TC_ARCH[kind]}; "
+                         f"this GPU is sm_{sm} (version {LOWP_VERSION[kind]} runs everywhere)")
+
+
 def lowp_kernel(name: str, rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB):
-    """Kernel `name` of gemv_lowp.cu, e.g. "gemv_v7<EPI_BIAS, true>" or "dequant_bf16_v1" (cached)."""
-    return get_kernel(LOWP_CU, name, lowp_defines(rows, unroll, maxb), templates=CU_TEMPLATES[LOWP_CU])
+    """Kernel `name` of gemv_lowp.cu, e.g. "gemv_v7<EPI_BIAS, true>" or "dequant_bf16_v1" (cached). v8/v9 come
+    from a module of their own (tc_defines), the rest from one per (rows, unroll, maxb)."""
+    if name.startswith(TC_PREFIXES):
+        return get_kernel(LOWP_CU, name, tc_defines(maxb), templates=LOWP_TC_NAMES)
+    return get_kernel(LOWP_CU, name, lowp_defines(rows, unroll, maxb), templates=LOWP_CUDA_CORE_NAMES)
 
 
 def _dtype(W):
@@ -379,7 +439,8 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
     version that reads another format. (A function of its own, so the rules are checked without a GPU.)"""
     kind = KIND_OF_DTYPE.get(np.dtype(dtype) if dtype is not None else None)
     if kind in (None, "fp32"):
-        want = {6: "uint16 (bf16 bit patterns)", 7: "int8"}.get(version, "uint16 (bf16 bits) or int8")
+        want = {6: "uint16 (bf16 bit patterns)", 7: "int8", 8: "uint16 (bf16 bit patterns)", 9: "int8"}.get(
+            version, "uint16 (bf16 bits) or int8")
         why = f"version {version} reads" if version in GEMV_LOWP_VERSIONS else "scale= is for"
         raise TypeError(f"W: {why} {want} weights, got dtype {np.dtype(dtype) if dtype is not None else None}")
     if kind == "int8" and not has_scale:
@@ -390,16 +451,30 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
     if K % per:
         raise ValueError(f"W: {kind} weights are read 16 bytes ({per} weights) at a time, so K must be a multiple "
                          f"of {per}, got K={K}")
-    want = LOWP_VERSION[kind]
-    if version is not None and version != want:
+    want = (LOWP_VERSION[kind], TC_VERSION[kind])
+    if version is None:
+        return kind, want[0]
+    if version not in want:
         expect_choice(version, "version", GEMV_VERSIONS + GEMV_LOWP_VERSIONS)
-        raise ValueError(f"version: {kind} weights are read by version {want} (gemv_v{want}), got {version!r}")
-    return kind, want
+        raise ValueError(f"version: {kind} weights are read by version {want[0]} (gemv_v{want[0]}) or {want[1]} "
+                         f"(gemv_v{want[1]}, tensor cores), got {version!r}")
+    return kind, version
 
 
-def _lowp_weight(W, scale, K: int, version):
-    """Check a bf16/int8 weight (N, K) and its scale; (kind, version, N, scale argument)."""
-    kind, version = lowp_format(_dtype(W), K, scale is not None, version)
+def lowp_version(kind: str, B: int) -> int:
+    """The GEMV a bf16/int8 call of B batch rows launches when no version is asked for: the tensor cores (v8/v9)
+    from 2 rows on, where the GPU has them; at batch 1 the CUDA cores (v6/v7). A tensor-core mma costs the same
+    for 1 row as for 8, so its gain grows with the batch; at batch 1 the time goes to the weights' trip from
+    DRAM either way, and v6/v7 keep x in fp32 (the lesson's ladder measures both). tensor_cores(False): v6/v7."""
+    tc = _tensor_cores and B > 1 and device_info()["sm"] >= TC_ARCH[kind]
+    return TC_VERSION[kind] if tc else LOWP_VERSION[kind]
+
+
+def _lowp_weight(W, scale, K: int, version, B: int = 1):
+    """Check a bf16/int8 weight (N, K) and its scale; (kind, version, N, scale argument). No version: the one
+    lowp_version picks for B rows."""
+    kind, picked = lowp_format(_dtype(W), K, scale is not None, version)
+    version = picked if version is not None else lowp_version(kind, B)
     W = expect_array(W, "W", dtype=(np.uint16, np.int8), ndim=2, shape=(None, K))
     N = W.shape[0]
     if scale is not None:
@@ -411,7 +486,7 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
     """gemv() for bf16 / int8 weights: gemv_v6 / gemv_v7, with every v5 fusion."""
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     B, K = x.shape
-    kind, version, N, scale = _lowp_weight(W, scale, K, version)
+    kind, version, N, scale = _lowp_weight(W, scale, K, version, B)
     if bias is not None:
         expect_array(bias, "bias", dtype=np.float32, shape=(N,))
     if residual and out is None:
@@ -424,15 +499,23 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
     epi = "EPI_RESID" if residual else "EPI_BIAS_GELU" if gelu else "EPI_BIAS" if bias is not None else "EPI_NONE"
     lw, lb, e = _ln_args(ln, K, eps)
     maxb = gemv_module(B)
+    tc = version in TC_VERSION.values()
+    if tc:
+        _check_tc(kind, version)
+        if (rows, unroll) != (V5_ROWS, V5_UNROLL):
+            raise ValueError(f"rows/unroll: v6/v7's launch shape; gemv_v{version} has its own (TC_ROWS, TC_UNROLL), "
+                             f"got rows={rows}, unroll={unroll} (pass version={LOWP_VERSION[kind]} to time v6/v7's)")
     fn = lowp_kernel(f"gemv_v{version}<{epi}, {'false' if ln is None else 'true'}>", rows, unroll, maxb)
-    step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
-    head = (scale,) if kind == "int8" else ()            # gemv_v7 takes the scales after W
+    step = _tc_rows_per_launch(fn, K, kind, ln is not None, maxb) if tc else _v5_rows_per_launch(fn, K, ln is not None, maxb)
+    head = (scale,) if kind == "int8" else ()            # gemv_v7/v9 take the scales after W
     for b0 in range(0, B, step):
         nb = min(step, B - b0)
-        _v5_call(fn, N, K, nb, ln is not None,
-                 (x[b0:b0 + nb], W, *head, null_or(bias), y[b0:b0 + nb], np.int32(nb),
-                  np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL, np.int32(0), np.int32(0)),
-                 rows, unroll, LOWP_PER_LOAD[kind])
+        args = (x[b0:b0 + nb], W, *head, null_or(bias), y[b0:b0 + nb], np.int32(nb),
+                np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL, np.int32(0), np.int32(0))
+        if tc:
+            _tc_call(fn, N, K, nb, ln is not None, kind, args)
+        else:
+            _v5_call(fn, N, K, nb, ln is not None, args, rows, unroll, LOWP_PER_LOAD[kind])
     return y
 
 
@@ -440,7 +523,7 @@ def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps
     """gemv_qkv() for bf16 / int8 weights (gemv_v6 / gemv_v7 with the EPI_QKV epilogue)."""
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     B, K = x.shape
-    kind, version, N, scale = _lowp_weight(W, scale, K, version)
+    kind, version, N, scale = _lowp_weight(W, scale, K, version, B)
     if N % 3:
         raise ValueError(f"W: expected (3C, K), got {W.shape} ({N} rows, not a multiple of 3)")
     C = N // 3
@@ -450,15 +533,20 @@ def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps
     _index_vector(pos, "pos", B)
     lw, lb, e = _ln_args(ln, K, eps)
     maxb = gemv_module(B)
+    tc = version in TC_VERSION.values()
+    if tc:
+        _check_tc(kind, version)
     fn = lowp_kernel(f"gemv_v{version}<EPI_QKV, {'false' if ln is None else 'true'}>", maxb=maxb)
-    step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
+    step = _tc_rows_per_launch(fn, K, kind, ln is not None, maxb) if tc else _v5_rows_per_launch(fn, K, ln is not None, maxb)
     head = (scale,) if kind == "int8" else ()
     for b0 in range(0, B, step):
         nb = min(step, B - b0)
-        _v5_call(fn, N, K, nb, ln is not None,
-                 (x[b0:b0 + nb], W, *head, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
-                  k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)),
-                 per_load=LOWP_PER_LOAD[kind])
+        args = (x[b0:b0 + nb], W, *head, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
+                k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L))
+        if tc:
+            _tc_call(fn, N, K, nb, ln is not None, kind, args)
+        else:
+            _v5_call(fn, N, K, nb, ln is not None, args, per_load=LOWP_PER_LOAD[kind])
     return q
 
 
@@ -542,11 +630,14 @@ LOWP_KERNEL_NAMES = ("dequant_bf16_v1", "dequant_int8_v1",
                      *(f"gemv_v{v}<{e}, {ln}>" for v in GEMV_LOWP_VERSIONS
                        for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_RESID", "EPI_QKV")
                        for ln in ("false", "true")))
-CU_DEFINES = {CU: defines(ROWS, V5_UNROLL), LOWP_CU: lowp_defines()}   # MAXB 8 (tests also compile MAXB 1)
+TC_PREFIXES = tuple(f"gemv_v{v}<" for v in TC_VERSION.values())
+LOWP_TC_NAMES = tuple(n for n in LOWP_KERNEL_NAMES if n.startswith(TC_PREFIXES))
+LOWP_CUDA_CORE_NAMES = tuple(n for n in LOWP_KERNEL_NAMES if "<" in n and n not in LOWP_TC_NAMES)
+CU_DEFINES = {CU: defines(ROWS, V5_UNROLL), LOWP_CU: {**lowp_defines(), **tc_defines()}}   # MAXB 8 (tests: MAXB 1 too)
 CU_TEMPLATES = {CU: tuple(n for n in KERNEL_NAMES if "<" in n),
                 LOWP_CU: tuple(n for n in LOWP_KERNEL_NAMES if "<" in n)}
 
 __all__ = ["embedding", "bias_gelu", "kv_cache_fill", "gemv", "gemv_qkv", "argmax", "advance", "layernorm",
            "residual_layernorm", "flash_attention_qkv", "decode_attention", "decode_split_count", "kernel",
            "defines", "KERNEL_NAMES", "matmul_lowp", "dequantize", "lowp_format", "lowp_kernel", "lowp_defines",
-           "LOWP_KERNEL_NAMES", "GEMV_LOWP_VERSIONS", "programmatic", "gemv_module"]
+           "LOWP_KERNEL_NAMES", "GEMV_LOWP_VERSIONS", "programmatic", "tensor_cores", "lowp_version", "gemv_module"]

@@ -7,8 +7,10 @@ Written from the definitions, not from the bit tricks the course's code uses, so
     int8_quantize(w)      (q, scale): symmetric per row, scale = max|w_row| / 127, q = round(w / scale)
     weight(W, scale=None) the float64 matrix a stored weight stands for (float32 as is, bf16 bits decoded,
                           int8 times its row scales in float64: what a GEMV that scales once per row computes)
-    gemv(x, W, scale=None, bias=None, gelu=False, ln=None, eps=1e-5, residual=None)
-                          y = LN(x) @ weight(W)^T + bias, then GELU; residual given: residual + y
+    fp16_round(x)         the float64 value of x rounded to fp16 (11 significant bits, ties to even)
+    gemv(x, W, scale=None, bias=None, gelu=False, ln=None, eps=1e-5, residual=None, operand=None)
+                          y = LN(x) @ weight(W)^T + bias, then GELU; residual given: residual + y;
+                          operand "bf16" / "fp16": LN(x) rounded to it first (a tensor-core GEMV's A operand)
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 from common.reference.ops import f64, layernorm
 from common.reference.ops import gelu as gelu_tanh
 
-__all__ = ["bf16_round", "bf16_bits_value", "int8_quantize", "weight", "gemv"]
+__all__ = ["bf16_round", "fp16_round", "bf16_bits_value", "int8_quantize", "weight", "gemv"]
 
 
 def _host(a):
@@ -30,6 +32,11 @@ def bf16_round(w) -> np.ndarray:
     w = f64(w)
     m, e = np.frexp(w)                       # w = m * 2**e, 0.5 <= |m| < 1: the significand's 8 bits are m * 2**8
     return np.ldexp(np.rint(m * 256.0) / 256.0, e)
+
+
+def fp16_round(x) -> np.ndarray:
+    """Round to the nearest fp16 (11-bit significand, ties to even; NumPy's float16 cast rounds so), as float64."""
+    return f64(x).astype(np.float16).astype(np.float64)
 
 
 def bf16_bits_value(u) -> np.ndarray:
@@ -64,9 +71,13 @@ def weight(W, scale=None) -> np.ndarray:
     return f64(W)
 
 
-def gemv(x, W, scale=None, bias=None, gelu: bool = False, ln=None, eps: float = 1e-5, residual=None) -> np.ndarray:
-    """y (B, N) = LN(x) @ weight(W, scale)^T (+ bias, then GELU); with `residual` (B, N): residual + y."""
+def gemv(x, W, scale=None, bias=None, gelu: bool = False, ln=None, eps: float = 1e-5, residual=None,
+         operand: str | None = None) -> np.ndarray:
+    """y (B, N) = LN(x) @ weight(W, scale)^T (+ bias, then GELU); with `residual` (B, N): residual + y.
+    operand "bf16" or "fp16": LN(x) rounded to that format before the product (None: kept as is)."""
     xs = f64(x) if ln is None else layernorm(x, ln[0], ln[1], eps)
+    if operand is not None:
+        xs = {"bf16": bf16_round, "fp16": fp16_round}[operand](xs)
     y = xs @ weight(W, scale).T
     if bias is not None:
         y = y + f64(bias)

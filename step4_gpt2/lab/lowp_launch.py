@@ -87,14 +87,15 @@ def sweep(shape: str = "gpt2-xl", batches=BATCHES, kinds=KINDS) -> list[Row]:
                 lw = quantize.quantize(w, kind)
                 nbytes = lw.nbytes
                 course = (ops.V5_ROWS, ops.V5_UNROLL)
-                want = _call(x, lw, bias, cp.zeros((B, N), cp.float32), ln, fusion)
-                base = bench(lambda: _call(x, lw, bias, y, ln, fusion), name="", bytes=nbytes)
+                v = ops.LOWP_VERSION[kind]                 # v6/v7 at every batch: their launch shapes are swept
+                want = _call(x, lw, bias, cp.zeros((B, N), cp.float32), ln, fusion, version=v)
+                base = bench(lambda: _call(x, lw, bias, y, ln, fusion, version=v), name="", bytes=nbytes)
                 for r, u in choices():
                     out = cp.zeros((B, N), cp.float32) if fusion == "residual" else poison(cp.empty((B, N), cp.float32))
-                    got = _call(x, lw, bias, out, ln, fusion, rows=r, unroll=u)
+                    got = _call(x, lw, bias, out, ln, fusion, rows=r, unroll=u, version=v)
                     assert_close(got, want, rtol=1e-5, name=f"{kind} {name} ROWS={r} UNROLL={u}")
                     label = f"{kind} {name} ROWS={r} UNROLL={u}" + (" (course)" if (r, u) == course else "")
-                    t = bench(lambda: _call(x, lw, bias, y, ln, fusion, rows=r, unroll=u),  # noqa: B023 (run now)
+                    t = bench(lambda: _call(x, lw, bias, y, ln, fusion, rows=r, unroll=u, version=v),  # noqa: B023
                               name=f"{label} [{launch_shape(kind, N, K, B, fusion, r, u)}]", bytes=nbytes)
                     rows.append(Row.of(t, size, ceiling=("copy bandwidth", bw),
                                        anchor=(f"ROWS={course[0]} UNROLL={course[1]}", base)))

@@ -120,6 +120,8 @@ def test_lowp_format_picks_the_kernel_and_names_bad_arguments():
     from step4_gpt2.ops import lowp_format
     assert lowp_format(np.uint16, 64, False) == ("bf16", 6)
     assert lowp_format(np.int8, 64, True, 7) == ("int8", 7)
+    assert lowp_format(np.int8, 64, True, 9) == ("int8", 9)
+    assert lowp_format(np.uint16, 64, False, 8) == ("bf16", 8)
     with pytest.raises(ValueError, match="scale: int8 weights need their"):
         lowp_format(np.int8, 64, False)
     with pytest.raises(ValueError, match=r"scale: only int8 weights take row scales; W is bf16"):
@@ -129,14 +131,18 @@ def test_lowp_format_picks_the_kernel_and_names_bad_arguments():
         lowp_format(np.uint16, 60, False)
     with pytest.raises(ValueError, match="K must be a multiple of 16, got K=40"):
         lowp_format(np.int8, 40, True)
-    with pytest.raises(ValueError, match=r"version: int8 weights are read by version 7 \(gemv_v7\), got 6"):
+    with pytest.raises(ValueError, match=r"version: int8 weights are read by version 7 \(gemv_v7\) or 9 \(gemv_v9, tensor cores\), got 6"):
         lowp_format(np.int8, 64, True, 6)
-    with pytest.raises(ValueError, match=r"version: bf16 weights are read by version 6 \(gemv_v6\), got 5"):
+    with pytest.raises(ValueError, match=r"version: bf16 weights are read by version 6 \(gemv_v6\) or 8 \(gemv_v8, tensor cores\), got 5"):
         lowp_format(np.uint16, 64, False, 5)
-    with pytest.raises(ValueError, match="version: expected one of"):
+    with pytest.raises(ValueError, match=r"version: bf16 weights are read by version 6 .* got 9"):
         lowp_format(np.uint16, 64, False, 9)
+    with pytest.raises(ValueError, match="version: expected one of"):
+        lowp_format(np.uint16, 64, False, 10)
     with pytest.raises(TypeError, match=r"W: version 6 reads uint16 \(bf16 bit patterns\) weights, got dtype float32"):
         lowp_format(np.float32, 64, False, 6)
+    with pytest.raises(TypeError, match=r"W: version 9 reads int8 weights, got dtype float32"):
+        lowp_format(np.float32, 64, False, 9)
     with pytest.raises(TypeError, match="W: scale= is for uint16 .* or int8 weights, got dtype float32"):
         lowp_format(np.float32, 64, True)
 
@@ -148,7 +154,7 @@ def test_every_lowp_kernel_name_is_in_the_cu_file():
     plain = set(re.findall(r'extern "C" __global__ void (\w+)\(', src))
     assert {n for n in ops.LOWP_KERNEL_NAMES if "<" not in n} == plain == {"dequant_bf16_v1", "dequant_int8_v1"}
     templates = set(re.findall(r"template <[^>]*>\s*__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(", src))
-    assert {n.split("<")[0] for n in ops.LOWP_KERNEL_NAMES if "<" in n} == templates == {"gemv_v6", "gemv_v7"}
+    assert {n.split("<")[0] for n in ops.LOWP_KERNEL_NAMES if "<" in n} == templates == {"gemv_v6", "gemv_v7", "gemv_v8", "gemv_v9"}
     assert ops.CU_TEMPLATES[ops.LOWP_CU] == tuple(n for n in ops.LOWP_KERNEL_NAMES if "<" in n)
 
 
@@ -163,7 +169,7 @@ def test_gemv_lowp_cu_compiles_every_instantiation(arch, maxb):
     from step4_gpt2 import ops
     if arch not in K.supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{arch}")
-    r = K.compile_offline(ops.LOWP_CU, arch, ops.lowp_defines(maxb=maxb),
+    r = K.compile_offline(ops.LOWP_CU, arch, {**ops.lowp_defines(maxb=maxb), **ops.tc_defines(maxb)},
                           name_expressions=ops.CU_TEMPLATES[ops.LOWP_CU])
     assert not r.warnings, r.warnings
     assert set(ops.LOWP_KERNEL_NAMES) <= set(r.kernels), r.table()
@@ -253,7 +259,8 @@ def test_the_batch_1_modules_read_x_from_global_memory_without_ln():
     from tests.step4.test_pdl import _ptx_entries
     from step4_gpt2 import ops
     files = {ops.CU: ([n for n in ops.KERNEL_NAMES if n.startswith("gemv_v5")], ops.defines, 1),
-             ops.LOWP_CU: ([n for n in ops.LOWP_KERNEL_NAMES if n.startswith("gemv_v")], ops.lowp_defines, None)}
+             ops.LOWP_CU: ([n for n in ops.LOWP_KERNEL_NAMES if n.startswith(("gemv_v6", "gemv_v7"))], ops.lowp_defines,
+                           None)}
     for path, (names, defs, per_float4) in files.items():
         loads = {}
         for maxb in (1, ops.MAXB):
@@ -307,9 +314,10 @@ class _Fake:
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 def test_every_gemv_wrapper_launches_the_batch_1_module_at_batch_1(monkeypatch, kind):
-    """ops.gemv and ops.gemv_qkv, fp32 (v5), bf16 (v6) and int8 (v7), every fusion: the kernel comes from the
-    module gemv_module picks (MAXB 1 at batch 1, MAXB for more rows), and the launches cover the B rows.
-    Run on the CPU, the arrays' checks and the launch stubbed."""
+    """ops.gemv and ops.gemv_qkv, fp32 (v5), bf16 (v6 / v8) and int8 (v7 / v9), every fusion: the kernel comes
+    from the module gemv_module picks (MAXB 1 at batch 1, MAXB for more rows), bf16/int8 from the CUDA-core
+    version at batch 1 and the tensor-core one for more rows (lowp_version, on an sm_90 stand-in), and the
+    launches cover the B rows. Run on the CPU, the arrays' checks and the launch stubbed."""
     from step4_gpt2 import ops
     asked, launched = [], []
     monkeypatch.setattr(ops, "expect_array", lambda a, *args, **kw: a)
@@ -318,28 +326,35 @@ def test_every_gemv_wrapper_launches_the_batch_1_module_at_batch_1(monkeypatch, 
     monkeypatch.setattr(ops, "_check_caches", lambda k, v, B, C: k.shape[1:])
     monkeypatch.setattr(ops, "device_info", lambda: {"sm": 90, "shared_per_block_optin": 227 << 10})
 
+    names = []
+
     def kernel(name, rows=4, unroll=4, maxb=ops.MAXB):
         asked.append(maxb)
+        names.append(name.split("<")[0])
         return types.SimpleNamespace(name=name, shared_size_bytes=2048)
     monkeypatch.setattr(ops, "kernel", kernel)
     monkeypatch.setattr(ops, "lowp_kernel", kernel)
     monkeypatch.setattr(ops, "_v5_call", lambda fn, N, K, nb, ln, args, rows=4, unroll=4, per_load=4:
                         launched.append(nb))
+    monkeypatch.setattr(ops, "_tc_call", lambda fn, N, K, nb, ln, kind, args: launched.append(nb))
     C, H, L = 64, 2, 4
     wdt = {"fp32": np.float32, "bf16": np.uint16, "int8": np.int8}[kind]
     scale = _Fake((3 * C,)) if kind == "int8" else None
     for B in (1, 3, 11):
         want = 1 if B == 1 else ops.MAXB
+        version = 5 if kind == "fp32" else (ops.LOWP_VERSION if B == 1 else ops.TC_VERSION)[kind]
         x, bias, g = _Fake((B, C)), _Fake((3 * C,)), _Fake((C,))
         for ln in (None, (g, g)):
             for fusion in ({}, {"gelu": True}, {"residual": True}):
-                asked.clear(), launched.clear()
+                asked.clear(), launched.clear(), names.clear()
                 ops.gemv(x, _Fake((3 * C, C), wdt), bias, out=_Fake((B, 3 * C)), ln=ln, scale=scale, **fusion)
                 assert asked == [want] and sum(launched) == B and max(launched) <= want, (B, ln, fusion)
-            asked.clear(), launched.clear()
+                assert names == [f"gemv_v{version}"], (B, names)
+            asked.clear(), launched.clear(), names.clear()
             ops.gemv_qkv(x, _Fake((3 * C, C), wdt), bias, _Fake((B, C)), _Fake((B, H, L, C // H)),
                          _Fake((B, H, L, C // H)), _Fake((B,), np.int32), ln=ln, scale=scale)
             assert asked == [want] and sum(launched) == B and max(launched) <= want, (B, ln, "qkv")
+            assert names == [f"gemv_v{version}"], (B, names)
 
 
 # ============================================================================ CPU: the launch-shape lab
@@ -467,44 +482,67 @@ def _stored(cp, w, kind):
     return Q.LowpWeight(cp.asarray(lw.w), None if lw.scale is None else cp.asarray(lw.scale)), lw
 
 
+def _impl(kind, tc):
+    """(version, x's operand format for the reference, rtol, rtol with LN) of the CUDA-core (v6/v7) or the
+    tensor-core (v8/v9) GEMV for this weight format. The tensor cores multiply x rounded to bf16 (v8) or fp16
+    (v9), which the reference rounds too (after its float64 LayerNorm: an element at a rounding boundary
+    may land one step apart); they add the exact products in fp32, in their own order."""
+    from step4_gpt2 import ops
+    if not tc:
+        return ops.LOWP_VERSION[kind], None, 1e-6, 1e-5
+    return ops.TC_VERSION[kind], {"bf16": "bf16", "int8": "fp16"}[kind], 1e-5, 3e-5
+
+
+def _skip_without_tc(kind, tc):
+    from common import device_info
+    from step4_gpt2 import ops
+    sm = device_info()["sm"]
+    if tc and sm < ops.TC_ARCH[kind]:
+        pytest.skip(f"gemv_v{ops.TC_VERSION[kind]} ({kind} on tensor cores) needs sm_{ops.TC_ARCH[kind]}; this GPU is sm_{sm}")
+
+
 @gpu
 @pytest.mark.parametrize("B", [1, 3, 8, 11])
 @pytest.mark.parametrize("case", range(4))
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_gemv_lowp_every_fusion(cp, kind, case, B):
-    """v6 / v7 on awkward shapes (N odd, K/vector not a multiple of 32, more tiles than blocks, more vectors
-    than one chunk), batches past MAXB, every epilogue, with and without the LayerNorm prologue."""
+@pytest.mark.parametrize("tc", [False, True], ids=["cuda_cores", "tensor_cores"])
+def test_gemv_lowp_every_fusion(cp, kind, case, B, tc):
+    """v6 / v7 and v8 / v9 on awkward shapes (N odd, K/vector not a multiple of 32, more tiles than blocks, more
+    vectors than one chunk), batches past MAXB, every epilogue, with and without the LayerNorm prologue."""
     from step4_gpt2.ops import gemv
+    _skip_without_tc(kind, tc)
+    version, operand, tol_tc, tol_ln = _impl(kind, tc)
     N, K = SHAPES[kind][case]
     rng = np.random.default_rng(100 * case + B)
     x0 = rng.uniform(-1, 1, (B, K)).astype(np.float32) * 3 + 0.5
     b0, g0, o0 = (rng.uniform(-1, 1, n).astype(np.float32) for n in (N, K, K))
     lw_gpu, lw = _stored(cp, _weights(N, K, case), kind)
     x, b, g, o = (cp.asarray(a) for a in (x0, b0, g0, o0))
-    tol = 1e-6 if K <= 4100 else 3e-6
+    tol = (1e-6 if K <= 4100 else 3e-6) if not tc else tol_tc
     for ln in (None, (g, o)):
         ref_ln = None if ln is None else (g0, o0)
-        t = tol if ln is None else 1e-5
+        t = tol if ln is None else tol_ln
         for epi in ("none", "bias", "gelu", "residual"):
-            name = f"{kind} v{6 if kind == 'bf16' else 7} {epi} ln={ln is not None} B={B} N={N} K={K}"
+            name = f"{kind} v{version} {epi} ln={ln is not None} B={B} N={N} K={K}"
             if epi == "residual":
                 r0 = rand(B, N, seed=case)
                 y = cp.asarray(r0)
-                gemv(x, lw_gpu, b, out=y, residual=True, ln=ln)
-                want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=ref_ln, residual=r0)
+                gemv(x, lw_gpu, b, out=y, residual=True, ln=ln, version=version)
+                want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=ref_ln, residual=r0, operand=operand)
             else:
                 y = poison(cp.empty((B, N), cp.float32))
-                gemv(x, lw_gpu, None if epi == "none" else b, out=y, gelu=epi == "gelu", ln=ln)
-                want = R.gemv(x0, lw.w, lw.scale, bias=None if epi == "none" else b0, gelu=epi == "gelu", ln=ref_ln)
+                gemv(x, lw_gpu, None if epi == "none" else b, out=y, gelu=epi == "gelu", ln=ln, version=version)
+                want = R.gemv(x0, lw.w, lw.scale, bias=None if epi == "none" else b0, gelu=epi == "gelu", ln=ref_ln,
+                              operand=operand)
             rtol = t
             if epi == "gelu":   # GELU flattens large negative sums to ~0 and passes on the sums' error (|gelu'| <=
-                pre = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=ref_ln)     # 1.13): relative to the sums, not to ~0
+                pre = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=ref_ln, operand=operand)   # 1.13): relative to the sums
                 rtol = t * max(1.0, float(np.linalg.norm(pre) / np.linalg.norm(want)))
             assert_close(y, want, rtol=rtol, name=name)
-    if case == 0:                      # W and scale= as two arguments, and other rows per tile (8: a one-warp
+    if case == 0 and not tc:           # W and scale= as two arguments, and other rows per tile (8: a one-warp
         for rows in (1, 2, 8):         # block stores ROWS * MAXB = 64 outputs in two passes)
             y = poison(cp.empty((B, N), cp.float32))
-            gemv(x, lw_gpu.w, b, out=y, scale=lw_gpu.scale, rows=rows)
+            gemv(x, lw_gpu.w, b, out=y, scale=lw_gpu.scale, rows=rows, version=version)
             assert_close(y, R.gemv(x0, lw.w, lw.scale, bias=b0), rtol=tol, name=f"{kind} rows={rows}")
 
 
@@ -513,6 +551,7 @@ def test_gemv_lowp_every_fusion(cp, kind, case, B):
 def test_gemv_lowp_every_launch_shape_the_lab_times(cp, kind):
     """step4_gpt2/lab/lowp_launch.py's (ROWS, UNROLL) choices against the reference, LayerNorm prologue and GELU
     epilogue, batch 1 and 11, on a shape whose rows take 1-2 warps and more tiles than one block."""
+    from step4_gpt2 import ops
     from step4_gpt2.lab.lowp_launch import choices
     from step4_gpt2.ops import gemv
     N, K = SHAPES[kind][1]
@@ -525,30 +564,37 @@ def test_gemv_lowp_every_launch_shape_the_lab_times(cp, kind):
         want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=(g0, o0))
         for rows, unroll in choices():
             y = poison(cp.empty((B, N), cp.float32))
-            gemv(cp.asarray(x0), lw_gpu, b, out=y, ln=(g, o), rows=rows, unroll=unroll)
+            gemv(cp.asarray(x0), lw_gpu, b, out=y, ln=(g, o), rows=rows, unroll=unroll, version=ops.LOWP_VERSION[kind])
             assert_close(y, want, rtol=1e-5, name=f"{kind} B={B} ROWS={rows} UNROLL={unroll}")
 
 
 @gpu
 @pytest.mark.sanitize
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_gemv_lowp_small_cases(cp, kind):
+@pytest.mark.parametrize("tc", [False, True], ids=["cuda_cores", "tensor_cores"])
+def test_gemv_lowp_small_cases(cp, kind, tc):
     """K of one 16-byte load, N = 1, B = 1: under compute-sanitizer too."""
     from step4_gpt2.ops import gemv
+    _skip_without_tc(kind, tc)
+    version, operand, tol, _ = _impl(kind, tc)
     for B, N, K in [(1, 1, 16), (2, 3, 32), (9, 5, 48)]:
         x0, b0 = rand(B, K, seed=N), rand(N, seed=K)
         lw_gpu, lw = _stored(cp, _weights(N, K, B), kind)
         y = poison(cp.empty((B, N), cp.float32))
-        gemv(cp.asarray(x0), lw_gpu, cp.asarray(b0), out=y, gelu=True)
-        assert_close(y, R.gemv(x0, lw.w, lw.scale, bias=b0, gelu=True), rtol=1e-6, name=f"{kind} B={B} N={N} K={K}")
+        gemv(cp.asarray(x0), lw_gpu, cp.asarray(b0), out=y, gelu=True, version=version)
+        assert_close(y, R.gemv(x0, lw.w, lw.scale, bias=b0, gelu=True, operand=operand), rtol=tol,
+                     name=f"{kind} v{version} B={B} N={N} K={K}")
 
 
 @gpu
 @pytest.mark.parametrize("B", [1, 3, 8, 11])
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_gemv_qkv_lowp(cp, kind, B):
+@pytest.mark.parametrize("tc", [False, True], ids=["cuda_cores", "tensor_cores"])
+def test_gemv_qkv_lowp(cp, kind, B, tc):
     """q and row pos[b] of each sequence's k/v cache; every other cache row stays as it was (NaN)."""
     from step4_gpt2.ops import gemv_qkv
+    _skip_without_tc(kind, tc)
+    version, operand, tol_tc, tol_ln = _impl(kind, tc)
     H, D, L = 3, 32, 9
     C = H * D
     rng = np.random.default_rng(B)
@@ -558,11 +604,11 @@ def test_gemv_qkv_lowp(cp, kind, B):
     lw_gpu, lw = _stored(cp, _weights(3 * C, C, 7), kind)
     x, b, g, o, p = (cp.asarray(a) for a in (x0, b0, g0, o0, p0))
     for ln in (None, (g, o)):
-        want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=None if ln is None else (g0, o0))
+        want = R.gemv(x0, lw.w, lw.scale, bias=b0, ln=None if ln is None else (g0, o0), operand=operand)
         q = poison(cp.empty((B, C), cp.float32))
         kc, vc = poison(cp.empty((B, H, L, D), cp.float32)), poison(cp.empty((B, H, L, D), cp.float32))
-        gemv_qkv(x, lw_gpu, b, q, kc, vc, p, ln=ln)
-        tol = 1e-6 if ln is None else 1e-5
+        gemv_qkv(x, lw_gpu, b, q, kc, vc, p, ln=ln, version=version)
+        tol = (1e-6 if not tc else tol_tc) if ln is None else tol_ln
         assert_close(q, want[:, :C], rtol=tol, name=f"{kind} q ln={ln is not None}")
         for i in range(B):
             assert_close(kc[i, :, int(p0[i])], want[i, C:2 * C].reshape(H, D), rtol=tol, name=f"k row {i}")

@@ -249,7 +249,8 @@ DECODE_KERNELS = {
                            "argmax_v1": ("logits", "tokens", "pos", "lens", "row"),
                            "argmax_v2": ("logits", "tokens", "pos", "lens", "row", "r4"),
                            "advance_v1": ("pos", "lens")},
-    "step4_gpt2/gemv_lowp.cu": {"gemv_lowp": ("x", "x4", "y", "k_cache", "v_cache", "pos", "xs4")},
+    "step4_gpt2/gemv_lowp.cu": {"gemv_lowp": ("x", "x4", "y", "k_cache", "v_cache", "pos", "xs4"),
+                                "gemv_tc": ("x", "x4", "y", "k_cache", "v_cache", "pos", "xs4", "xf", "xh")},
     "step2_attention/decode_attention.cu": {"decode_split": ("q", "kc", "vc", "lengths", "out", "partial"),
                                             "decode_combine": ("partial", "out", "p")},
 }
@@ -327,13 +328,14 @@ def test_the_decode_kernels_have_the_instructions_on_sm_90():
     """What the compiler made of it, in the PTX for compute_90 of every instantiation the wrappers launch (with
     ops.py's defines, MAXB 8 and the batch-1 module's MAXB 1): griddepcontrol.wait and .launch_dependents are
     there (pdl.cu's test shows them absent below sm_90), and the v5 / v6 / v7 GEMVs issue all ROWS x UNROLL
-    streamed weight loads of their first tile (ld.global.cs) before the wait. ptxas may still schedule them
+    streamed weight loads of their first tile (ld.global.cs) before the wait, v8 / v9 their TC_ROWS / 8 tiles x
+    TC_UNROLL. ptxas may still schedule them
     later; only a profile on the GPU shows that."""
     from step4_gpt2 import ops
     wanted = {ops.CU: [n for n in ops.KERNEL_NAMES if n.split("<")[0] in DECODE_KERNELS["step4_gpt2/gpt2.cu"]],
               ops.LOWP_CU: [n for n in ops.LOWP_KERNEL_NAMES if n.startswith("gemv_v")]}
     launched = [(ops.CU, ops.defines(ops.V5_ROWS, maxb=m)) for m in (ops.MAXB, 1)] + \
-        [(ops.LOWP_CU, ops.lowp_defines(maxb=m)) for m in (ops.MAXB, 1)]   # the decode's defines (gemv_module)
+        [(ops.LOWP_CU, {**ops.lowp_defines(maxb=m), **ops.tc_defines(m)}) for m in (ops.MAXB, 1)]   # gemv_module's
     for path, d in launched:
         names = wanted[path]
         entries = _ptx_entries(path, 90, names, d)
@@ -342,9 +344,10 @@ def test_the_decode_kernels_have_the_instructions_on_sm_90():
         assert not missing, f"{path.name}: no griddepcontrol in {missing}"
         first_tile = d["ROWS"] * d.get("UNROLL", d.get("V5_UNROLL"))
         for n in names:
-            if n.startswith(("gemv_v5", "gemv_v6", "gemv_v7")):
+            if n.startswith(("gemv_v5", "gemv_v6", "gemv_v7", "gemv_v8", "gemv_v9")):
+                want = d["TC_ROWS"] // 8 * d["TC_UNROLL"] if n.startswith(("gemv_v8", "gemv_v9")) else first_tile
                 early = entries[n][:entries[n].index("griddepcontrol.wait")].count("ld.global.cs")
-                assert early == first_tile, f"{n}: {early} weight loads before the wait, not {first_tile}"
+                assert early == want, f"{n}: {early} weight loads before the wait, not {want}"
     from step2_attention import flash                    # step 2's decode attention, launched by ops too
     names = list(DECODE_KERNELS["step2_attention/decode_attention.cu"])
     entries = _ptx_entries(flash.HERE / "decode_attention.cu", 90, names,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import assert_close, poison
+from common import assert_close, max_rel_error, poison
 from step4_gpt2 import weights as W
 from step4_gpt2.model import PRECISIONS, GPT, lm_head_precision, weight_bytes_per_token
 from step4_gpt2.precision import quality as Q
@@ -207,13 +207,42 @@ def decode_logits(model, prompts, steps):
 @pytest.mark.parametrize("precision, lm_head", [("bf16", None), ("int8", None), ("int8", "bf16")])
 @pytest.mark.parametrize("B", [1, 3, 8])
 def test_decode_matches_the_dequantized_fp32_model(precision, lm_head, B):
+    """On the CUDA cores (v6/v7: x in fp32) at every batch: the fp32 model's logits and tokens."""
+    from step4_gpt2 import ops
     model, ref = lowp_and_reference(precision, lm_head)
     prompts = np.random.default_rng(B).integers(0, TINY.vocab_size, (B, 7)).astype(np.int32)
-    got, got_tok = decode_logits(model, prompts, 10)
+    with ops.tensor_cores(False):
+        got, got_tok = decode_logits(model, prompts, 10)
     want, want_tok = decode_logits(ref, prompts, 10)
     for k, (g, w) in enumerate(zip(got, want)):
         assert_close(g, w.astype(np.float64), **TOL, name=f"{precision} logits, step {k}, batch {B}")
     assert all(np.array_equal(a, b) for a, b in zip(got_tok, want_tok))
+
+
+@gpu
+@pytest.mark.parametrize("precision, lm_head", [("bf16", None), ("int8", None), ("int8", "bf16")])
+def test_batched_decode_on_tensor_cores_stays_near_the_fp32_model(precision, lm_head):
+    """Batch 8 takes the tensor-core GEMVs by default (ops.lowp_version), which round x to bf16 (bf16 weights)
+    or fp16 (int8): every step's logits within that rounding of the fp32 model's (max abs error over max
+    |logit|; an fp16 step is 8x finer than a bf16 one). Greedy tokens may part at a near tie, so they are
+    not compared; the CUDA-core test above compares them."""
+    from common import device_info
+    from step4_gpt2 import ops
+    from step4_gpt2.quantize import KIND_OF_DTYPE
+    model, ref = lowp_and_reference(precision, lm_head)
+    kinds = {KIND_OF_DTYPE[np.dtype(model.h[0].c_attn.dtype)], KIND_OF_DTYPE[np.dtype(model.lm_head.dtype)]}
+    sm = device_info()["sm"]
+    if any(sm < ops.TC_ARCH[k] for k in kinds):
+        pytest.skip(f"the tensor-core GEMVs for {sorted(kinds)} need sm_{max(ops.TC_ARCH[k] for k in kinds)}; "
+                    f"this GPU is sm_{sm}")
+    assert {ops.lowp_version(k, 8) for k in kinds} == {ops.TC_VERSION[k] for k in kinds}
+    prompts = np.random.default_rng(8).integers(0, TINY.vocab_size, (8, 7)).astype(np.int32)
+    got, _ = decode_logits(model, prompts, 10)
+    want, _ = decode_logits(ref, prompts, 10)
+    limit = 2e-2 if "bf16" in kinds else 4e-3
+    for k, (g, w) in enumerate(zip(got, want)):
+        err = max_rel_error(g, w.astype(np.float64))
+        assert err <= limit, f"{precision} logits, step {k}: max error {err:.2e} of max |logit| (limit {limit:.0e})"
 
 
 @gpu
