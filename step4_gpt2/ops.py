@@ -97,8 +97,8 @@ def programmatic(on: bool = True):
 @contextlib.contextmanager
 def tensor_cores(on: bool = True):
     """Inside `with ops.tensor_cores(False):` a bf16/int8 GEMV that is not given a version stays on the CUDA cores
-    (v6/v7) at every batch, as at batch 1 (lowp_version): x multiplied in fp32, as the megakernel does, where
-    a decode is to match it bit for bit. Like programmatic(), this module's state, not a thread's."""
+    (v6/v7) at every batch, as at batch 1 (lowp_version): x multiplied in fp32, for a decode that is to match
+    another one that keeps x in fp32 bit for bit. Like programmatic(), this module's state, not a thread's."""
     global _tensor_cores
     before, _tensor_cores = _tensor_cores, bool(on)
     try:

@@ -485,12 +485,14 @@ def _stored(cp, w, kind):
 def _impl(kind, tc):
     """(version, x's operand format for the reference, rtol, rtol with LN) of the CUDA-core (v6/v7) or the
     tensor-core (v8/v9) GEMV for this weight format. The tensor cores multiply x rounded to bf16 (v8) or fp16
-    (v9), which the reference rounds too (after its float64 LayerNorm: an element at a rounding boundary
-    may land one step apart); they add the exact products in fp32, in their own order."""
+    (v9), which the reference rounds too; they add the exact products in fp32, in their own order. With the
+    LayerNorm prologue the kernel rounds its fp32 LN(x), the reference its float64 one: an element that lies
+    within float32's error of a rounding boundary lands one bf16/fp16 step apart, about 2^-9 / sqrt(K) of the
+    output's norm each (a missing or wrong element would cost far more)."""
     from step4_gpt2 import ops
     if not tc:
         return ops.LOWP_VERSION[kind], None, 1e-6, 1e-5
-    return ops.TC_VERSION[kind], {"bf16": "bf16", "int8": "fp16"}[kind], 1e-5, 3e-5
+    return ops.TC_VERSION[kind], {"bf16": "bf16", "int8": "fp16"}[kind], 1e-5, 3e-4
 
 
 def _skip_without_tc(kind, tc):
