@@ -7,7 +7,8 @@ goes through (steps 2 and 3's attention and LayerNorm kernels are imported here 
     gemv(x, W, bias, out, gelu, version, ln, residual)   the decode-step matrix product (v1 .. v5)
     gemv_qkv(x, W, bias, q, k_cache, v_cache, pos)   the QKV GEMV whose epilogue appends k, v to the cache
         both take W as float32 (gpt2.cu, v1 .. v5), uint16 bf16 bits (gemv_lowp.cu, v6) or int8 with
-        scale= its (N,) row scales (v7), or a quantize.LowpWeight: the dtype picks the kernel
+        scale= its (N,) row scales (v7), or a quantize.LowpWeight: the dtype picks the kernel, and from batch 2
+        on the tensor-core v8 / v9 (lowp_version; `with ops.tensor_cores(False):` keeps v6 / v7)
     matmul_lowp(x, W, scale, out)                    prefill with bf16/int8 weights: widen once, then cuBLAS
     argmax(logits, tokens, pos, lens), advance(pos, lens)   greedy choice and position update on the device
     programmatic()                                   with ops.programmatic(): the kernels above and the decode
@@ -48,6 +49,7 @@ from step2_attention.flash import decode_split_count, flash_attention_qkv  # noq
 from step3_fused.ops import layernorm, residual_layernorm  # noqa: F401
 from step4_gpt2 import pdl
 from step4_gpt2.quantize import KIND_OF_DTYPE, LowpWeight
+from step4_gpt2.tc_gemv import TC_ARCH, TC_BLOCKS_PER_SM, TC_ROWS, TC_VERSION, TC_WARPS, tc_defines, tc_smem
 
 CU = Path(__file__).resolve().parent / "gpt2.cu"
 # Compile-time constants of gpt2.cu, passed as defines (the .cu's own values only serve offline compiles).
@@ -64,52 +66,41 @@ ARGMAX_BATCH = 4        # argmax_v2: 16-byte loads in flight per thread
 GEMV_VERSIONS = (1, 2, 3, 4, 5)   # fp32 weights (gpt2.cu)
 GEMV_LOWP_VERSIONS = (6, 7, 8, 9)  # bf16 and int8 weights (gemv_lowp.cu): v5's design (6, 7), on tensor cores (8, 9)
 LOWP_VERSION = {"bf16": 6, "int8": 7}
-TC_VERSION = {"bf16": 8, "int8": 9}
-TC_ARCH = {"bf16": 80, "int8": 75}          # mma.sync with bf16 operands needs sm_80, with fp16 sm_75
-TC_ROWS = 16            # gemv_v8/v9: rows of W per block (two 8-row mma tiles)
-TC_WARPS = 8            # gemv_v8/v9: warps per block, splitting K
-TC_UNROLL = 4           # gemv_v8/v9: 16-byte loads per tile a lane has in flight
-TC_BLOCKS_PER_SM = 4    # gemv_v8/v9: grid cap; past it blocks loop over tiles
 LOWP_PER_LOAD = {"bf16": 8, "int8": 16}     # weights per 16-byte load: K must be a multiple
 LOWP_CU = Path(__file__).resolve().parent / "gemv_lowp.cu"
 NULL = null_or(None)    # an unused pointer argument
-_programmatic = False   # set by programmatic()
-_tensor_cores = True    # set by tensor_cores()
+_switch = {"programmatic": False, "tensor_cores": True}   # set by programmatic() and tensor_cores()
 
 
 @contextlib.contextmanager
+def _switched(name: str, on: bool):
+    before, _switch[name] = _switch[name], bool(on)
+    try:
+        yield
+    finally:
+        _switch[name] = before
+
+
 def programmatic(on: bool = True):
     """Inside `with ops.programmatic():` this module's kernels (embedding, the GEMVs, argmax, advance) and step
     2's decode attention launch with programmatic dependent launch (step4_gpt2/pdl.py) on sm_90 and newer: each
     may start while the kernel before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads
     that kernel's output. Below sm_90, and for step 3's LayerNorm kernels (the decode plans that do not fuse it
     into a GEMV), launches stay plain. Either way the results are the same, as long as no kernel writes a GEMV's
-    weights (gemv_v5/v6/v7 load their first weights before they wait; v3/v4 wait first); a CUDA graph captured
+    weights (gemv_v5 .. v9 load their first weights before they wait; v3/v4 wait first); a CUDA graph captured
     inside keeps the early starts. The switch is this module's state, not a thread's: one thread decodes at a time."""
-    global _programmatic
-    before, _programmatic = _programmatic, bool(on)
-    try:
-        yield
-    finally:
-        _programmatic = before
+    return _switched("programmatic", on)
 
 
-@contextlib.contextmanager
 def tensor_cores(on: bool = True):
-    """Inside `with ops.tensor_cores(False):` a bf16/int8 GEMV that is not given a version stays on the CUDA cores
-    (v6/v7) at every batch, as at batch 1 (lowp_version): x multiplied in fp32, for a decode that is to match
-    another one that keeps x in fp32 bit for bit. Like programmatic(), this module's state, not a thread's."""
-    global _tensor_cores
-    before, _tensor_cores = _tensor_cores, bool(on)
-    try:
-        yield
-    finally:
-        _tensor_cores = before
+    """Inside `with ops.tensor_cores(False):` a bf16/int8 GEMV given no version stays on the CUDA cores (v6/v7, x in
+    fp32) at every batch (lowp_version). Like programmatic(), this module's state, not a thread's."""
+    return _switched("tensor_cores", on)
 
 
 def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
     """fn(grid, block, args): through pdl.launch_pdl inside programmatic() on sm_90+, else CuPy's launch."""
-    if _programmatic and device_info()["sm"] >= pdl.PDL_ARCH:
+    if _switch["programmatic"] and device_info()["sm"] >= pdl.PDL_ARCH:
         pdl.launch_pdl(fn, grid, block, args, shared_mem=shared_mem)
     else:
         fn(grid, block, args, shared_mem=shared_mem)
@@ -376,22 +367,6 @@ def lowp_defines(rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB)
     return {"MAXB": maxb, "ROWS": rows, "UNROLL": unroll, "MAXWARPS": V5_MAXWARPS}
 
 
-def tc_defines(maxb: int = MAXB) -> dict:
-    """gemv_lowp.cu's defines for v8/v9 (compiled in a module of their own: v6/v7's rows and unroll play no part)."""
-    return {"MAXB": maxb, "TC_ROWS": TC_ROWS, "TC_WARPS": TC_WARPS, "TC_UNROLL": TC_UNROLL}
-
-
-def tc_row_words(K: int, kind: str) -> int:
-    """4-byte words per row of x in gemv_v8/v9's shared memory (gemv_lowp.cu's Tc::row_words)."""
-    kc = 4 * LOWP_PER_LOAD[kind]
-    return (-(-K // kc) * kc // 2 + 31) // 32 * 32 + (16 if kind == "bf16" else 4)
-
-
-def tc_smem(K: int, nb: int, kind: str, ln: bool) -> int:
-    """Dynamic shared memory of a gemv_v8/v9 launch: nb rows of x as operands, after nb x K floats with LN."""
-    return (nb * K * 4 if ln else 0) + nb * tc_row_words(K, kind) * 4
-
-
 def _tc_call(fn, N, K, nb, ln, kind, args):
     smem = tc_smem(K, nb, kind, ln)
     allow_dynamic_smem(fn, smem, f"ln / batch: {nb} row(s) of x with K={K} in shared memory")
@@ -399,23 +374,10 @@ def _tc_call(fn, N, K, nb, ln, kind, args):
     _launch(fn, launch_grid(N, TC_ROWS, per_sm=per_sm), (32 * TC_WARPS,), args, smem)
 
 
-def _tc_rows_per_launch(fn, K: int, kind: str, ln: bool, maxb: int) -> int:
-    """Batch rows per gemv_v8/v9 launch: maxb (at most 8, the mma's rows) or as many as shared memory holds."""
-    room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes
-    return max(1, min(maxb, room // tc_smem(K, 1, kind, ln)))
-
-
-def _check_tc(kind: str, version: int) -> None:
-    sm = device_info()["sm"]
-    if sm < TC_ARCH[kind]:
-        raise ValueError(f"version: gemv_v{version} runs {kind} weights on tensor cores, which needs sm_{TC_ARCH[kind]}; "
-                         f"this GPU is sm_{sm} (version {LOWP_VERSION[kind]} runs everywhere)")
-
-
 def lowp_kernel(name: str, rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB):
     """Kernel `name` of gemv_lowp.cu, e.g. "gemv_v7<EPI_BIAS, true>" or "dequant_bf16_v1" (cached). v8/v9 come
     from a module of their own (tc_defines), the rest from one per (rows, unroll, maxb)."""
-    if name.startswith(TC_PREFIXES):
+    if name in LOWP_TC_NAMES:
         return get_kernel(LOWP_CU, name, tc_defines(maxb), templates=LOWP_TC_NAMES)
     return get_kernel(LOWP_CU, name, lowp_defines(rows, unroll, maxb), templates=LOWP_CUDA_CORE_NAMES)
 
@@ -462,11 +424,9 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
 
 
 def lowp_version(kind: str, B: int) -> int:
-    """The GEMV a bf16/int8 call of B batch rows launches when no version is asked for: the tensor cores (v8/v9)
-    from 2 rows on, where the GPU has them; at batch 1 the CUDA cores (v6/v7). A tensor-core mma costs the same
-    for 1 row as for 8, so its gain grows with the batch; at batch 1 the time goes to the weights' trip from
-    DRAM either way, and v6/v7 keep x in fp32 (the lesson's ladder measures both). tensor_cores(False): v6/v7."""
-    tc = _tensor_cores and B > 1 and device_info()["sm"] >= TC_ARCH[kind]
+    """The GEMV for B batch rows of a bf16/int8 call given no version: v8/v9 (tensor cores, whose mma costs the same
+    for 1 row as for 8) from 2 rows on where the GPU has them, else v6/v7 (x in fp32); tensor_cores(False): v6/v7."""
+    tc = _switch["tensor_cores"] and B > 1 and device_info()["sm"] >= TC_ARCH[kind]
     return TC_VERSION[kind] if tc else LOWP_VERSION[kind]
 
 
@@ -498,25 +458,30 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
         raise ValueError("residual: out += x @ W^T + bias needs a bias, no GELU, and out other than x")
     epi = "EPI_RESID" if residual else "EPI_BIAS_GELU" if gelu else "EPI_BIAS" if bias is not None else "EPI_NONE"
     lw, lb, e = _ln_args(ln, K, eps)
-    maxb = gemv_module(B)
-    tc = version in TC_VERSION.values()
-    if tc:
-        _check_tc(kind, version)
-        if (rows, unroll) != (V5_ROWS, V5_UNROLL):
-            raise ValueError(f"rows/unroll: v6/v7's launch shape; gemv_v{version} has its own (TC_ROWS, TC_UNROLL), "
-                             f"got rows={rows}, unroll={unroll} (pass version={LOWP_VERSION[kind]} to time v6/v7's)")
-    fn = lowp_kernel(f"gemv_v{version}<{epi}, {'false' if ln is None else 'true'}>", rows, unroll, maxb)
-    step = _tc_rows_per_launch(fn, K, kind, ln is not None, maxb) if tc else _v5_rows_per_launch(fn, K, ln is not None, maxb)
+    step, launch = _lowp_launcher(kind, version, epi, N, K, ln is not None, gemv_module(B), rows, unroll)
     head = (scale,) if kind == "int8" else ()            # gemv_v7/v9 take the scales after W
     for b0 in range(0, B, step):
         nb = min(step, B - b0)
-        args = (x[b0:b0 + nb], W, *head, null_or(bias), y[b0:b0 + nb], np.int32(nb),
-                np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL, np.int32(0), np.int32(0))
-        if tc:
-            _tc_call(fn, N, K, nb, ln is not None, kind, args)
-        else:
-            _v5_call(fn, N, K, nb, ln is not None, args, rows, unroll, LOWP_PER_LOAD[kind])
+        launch(nb, (x[b0:b0 + nb], W, *head, null_or(bias), y[b0:b0 + nb], np.int32(nb),
+                    np.int32(N), np.int32(K), lw, lb, e, NULL, NULL, NULL, np.int32(0), np.int32(0)))
     return y
+
+
+def _lowp_launcher(kind, version, epi, N, K, ln: bool, maxb, rows=V5_ROWS, unroll=V5_UNROLL):
+    """(batch rows per launch, launch(nb, args)) of gemv_v{version}<epi, ln> from the module of maxb: v6/v7 as
+    v5 (_v5_call), v8/v9 on their own launch shape (_tc_call, on a GPU that has the mma)."""
+    tc = version in TC_VERSION.values()
+    if tc and device_info()["sm"] < TC_ARCH[kind]:
+        raise ValueError(f"version: gemv_v{version} runs {kind} weights on tensor cores, which needs sm_{TC_ARCH[kind]}; "
+                         f"this GPU is sm_{device_info()['sm']} (version {LOWP_VERSION[kind]} runs everywhere)")
+    if tc and (rows, unroll) != (V5_ROWS, V5_UNROLL):
+        raise ValueError(f"rows/unroll: v6/v7's launch shape, not gemv_v{version}'s; got rows={rows}, unroll={unroll}")
+    fn = lowp_kernel(f"gemv_v{version}<{epi}, {'true' if ln else 'false'}>", rows, unroll, maxb)
+    if tc:
+        room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes       # x's rows must fit
+        return max(1, min(maxb, room // tc_smem(K, 1, kind, ln))), lambda nb, args: _tc_call(fn, N, K, nb, ln, kind, args)
+    return (_v5_rows_per_launch(fn, K, ln, maxb),
+            lambda nb, args: _v5_call(fn, N, K, nb, ln, args, rows, unroll, LOWP_PER_LOAD[kind]))
 
 
 def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps):
@@ -532,21 +497,12 @@ def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps
     H, L, D = _check_caches(k_cache, v_cache, B, C)
     _index_vector(pos, "pos", B)
     lw, lb, e = _ln_args(ln, K, eps)
-    maxb = gemv_module(B)
-    tc = version in TC_VERSION.values()
-    if tc:
-        _check_tc(kind, version)
-    fn = lowp_kernel(f"gemv_v{version}<EPI_QKV, {'false' if ln is None else 'true'}>", maxb=maxb)
-    step = _tc_rows_per_launch(fn, K, kind, ln is not None, maxb) if tc else _v5_rows_per_launch(fn, K, ln is not None, maxb)
+    step, launch = _lowp_launcher(kind, version, "EPI_QKV", N, K, ln is not None, gemv_module(B))
     head = (scale,) if kind == "int8" else ()
     for b0 in range(0, B, step):
         nb = min(step, B - b0)
-        args = (x[b0:b0 + nb], W, *head, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
-                k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L))
-        if tc:
-            _tc_call(fn, N, K, nb, ln is not None, kind, args)
-        else:
-            _v5_call(fn, N, K, nb, ln is not None, args, per_load=LOWP_PER_LOAD[kind])
+        launch(nb, (x[b0:b0 + nb], W, *head, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
+                    k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
     return q
 
 
@@ -625,15 +581,14 @@ KERNEL_NAMES = (
 
 # gpt2.cu's constants and template instantiations: kernel() compiles every instantiation in one module
 # (get_kernel(..., templates=)), and tests/test_compile.py compiles the same offline for every arch.
-# gemv_lowp.cu's: gemv_v6 (bf16) and gemv_v7 (int8) with v5's epilogues and prologue, and the prefill's widening.
+# gemv_lowp.cu's: gemv_v6/v8 (bf16) and gemv_v7/v9 (int8) with v5's epilogues and prologue, the prefill's widening.
 LOWP_KERNEL_NAMES = ("dequant_bf16_v1", "dequant_int8_v1",
                      *(f"gemv_v{v}<{e}, {ln}>" for v in GEMV_LOWP_VERSIONS
                        for e in ("EPI_NONE", "EPI_BIAS", "EPI_BIAS_GELU", "EPI_RESID", "EPI_QKV")
                        for ln in ("false", "true")))
-TC_PREFIXES = tuple(f"gemv_v{v}<" for v in TC_VERSION.values())
-LOWP_TC_NAMES = tuple(n for n in LOWP_KERNEL_NAMES if n.startswith(TC_PREFIXES))
+LOWP_TC_NAMES = tuple(n for n in LOWP_KERNEL_NAMES if n.startswith(tuple(f"gemv_v{v}<" for v in TC_VERSION.values())))
 LOWP_CUDA_CORE_NAMES = tuple(n for n in LOWP_KERNEL_NAMES if "<" in n and n not in LOWP_TC_NAMES)
-CU_DEFINES = {CU: defines(ROWS, V5_UNROLL), LOWP_CU: {**lowp_defines(), **tc_defines()}}   # MAXB 8 (tests: MAXB 1 too)
+CU_DEFINES = {CU: defines(ROWS, V5_UNROLL), LOWP_CU: {**lowp_defines(), **tc_defines(MAXB)}}   # MAXB 8 (tests: MAXB 1 too)
 CU_TEMPLATES = {CU: tuple(n for n in KERNEL_NAMES if "<" in n),
                 LOWP_CU: tuple(n for n in LOWP_KERNEL_NAMES if "<" in n)}
 

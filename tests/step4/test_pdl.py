@@ -405,7 +405,12 @@ def test_programmatic_routes_the_launches_only_inside_and_on_sm_90(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         with ops.programmatic():
             1 / 0
-    assert ops._programmatic is False
+    assert ops._switch == {"programmatic": False, "tensor_cores": True}
+    with pytest.raises(ZeroDivisionError):
+        with ops.tensor_cores(False):
+            assert ops._switch["tensor_cores"] is False
+            1 / 0
+    assert ops._switch == {"programmatic": False, "tensor_cores": True}
 
 
 def test_the_decoder_takes_the_switch_and_keeps_one_decoder_per_setting():
