@@ -258,12 +258,12 @@ gemv_v7(const float* __restrict__ x, const signed char* __restrict__ W, const fl
 }
 
 // ------------------------------------------------------------------------------------------ tensor cores
-// v8 (bf16) and v9 (int8): the same GEMV on the tensor cores. At batch 1 a weight does one FMA, so v6/v7 spend
-// an FMA instruction per weight, and v7 two more to widen it (a byte permute and an FADD): at int8 that is about
-// 3 instructions per byte read, and the SM's issue rate, not DRAM, sets the pace. One mma.sync.m16n8k16 does
-// 16 x 8 x 16 multiply-adds; here it takes 8 rows of W (its B operand, 8 columns) against the batch's rows of
-// x (its A operand, 16 rows, those past the batch zero), so it does the work of 128 FMA instructions at batch 1
-// (1024 at batch 8, which costs the same: the tensor core's idle rows are free, the instructions are not).
+// v8 (bf16) and v9 (int8): the same GEMV on the tensor cores. At batch B, v6/v7 spend B FMA instructions per
+// weight, plus the widening (v7: a byte permute and an FADD): the bytes stay, the instructions grow with the
+// batch, and from batch 2 on the SM's issue rate rather than DRAM sets the pace (lesson 4f measures it).
+// One mma.sync.m16n8k16 does 16 x 8 x 16 multiply-adds; here it takes 8 rows of W (its B operand, 8 columns)
+// against the batch's rows of x (its A operand, 16 rows, those past the batch zero): the work of 128 FMA
+// instructions at batch 1, 1024 at batch 8, for the same cost (idle rows of a tensor core are free).
 //
 //   lane (g, t) = (lane / 4, lane % 4) of a warp: W row n0 + g, x row (batch) g, and 16 bytes of each row at
 //   k = c*KC + t*PER .. + PER - 1 in chunk c of KC = 4*PER weights (PER = 8 bf16 or 16 int8: one 16-byte load).
@@ -296,7 +296,7 @@ template <int WT> struct Tc {
     static constexpr int MMAS = PER / 4;                      // k16 mma steps per chunk: 4 k per lane each
     // Words (operand pairs) per x row in shared memory: the chunks, rounded up to 32 words, plus a shift of
     // 16 (bf16) or 4 (int8) banks, so that the lanes of one 16-byte read (t = 0..3 of rows g, g+1) hit distinct
-    // banks at every batch size. ops.py's tc_row_words is the same formula.
+    // banks at every batch size. tc_gemv.py's tc_row_words is the same formula.
     static __device__ __forceinline__ int row_words(int nchunks) {
         return (nchunks * KC / 2 + 31) / 32 * 32 + (WT == W_BF16 ? 16 : 4);
     }

@@ -302,6 +302,44 @@ def test_gemv_module_and_the_shared_memory_a_launch_asks_for(monkeypatch):
     assert ops._v5_rows_per_launch(None, 6400, False) == ops.MAXB
 
 
+def test_the_tensor_core_launch_and_its_shared_memory(monkeypatch):
+    """gemv_v8/v9's launch (ops._tc_call): TC_WARPS warps per block, one block per TC_ROWS rows up to
+    TC_BLOCKS_PER_SM per SM, and the shared memory tc_smem counts: each x row as operand pairs, padded to
+    gemv_lowp.cu's Tc::row_words (a whole number of 4-lane chunks, rounded to 32 words, plus the bank shift),
+    after nb x K floats with the LayerNorm prologue. The rows per launch: as many as fit, at most MAXB."""
+    from step4_gpt2 import ops, tc_gemv
+    launched = []
+    monkeypatch.setattr(ops, "_resident", lambda fn, block, smem: 16)
+    monkeypatch.setattr(ops, "allow_dynamic_smem", lambda fn, n, what: None)
+    monkeypatch.setattr(ops, "device_info", lambda: {"sm": 90, "multiprocessors": 132, "shared_per_block_optin": 64 << 10})
+    monkeypatch.setattr(ops, "launch_grid", lambda n, per_block, per_sm=1: (min(-(-n // per_block), 132 * per_sm),))
+    monkeypatch.setattr(ops, "_launch", lambda fn, grid, block, args, smem: launched.append((grid, block, smem)))
+    assert tc_gemv.tc_row_words(1600, "int8") == 800 + 4 and tc_gemv.tc_row_words(1600, "bf16") == 800 + 16
+    assert tc_gemv.tc_row_words(16, "int8") == 32 + 4 and tc_gemv.tc_row_words(8, "bf16") == 32 + 16
+    for kind in ("bf16", "int8"):
+        for ln in (False, True):
+            ops._tc_call(None, 6400, 1600, 3, ln, kind, ())
+            grid, block, smem = launched.pop()
+            assert block == (32 * ops.TC_WARPS,) and grid == (min(6400 // ops.TC_ROWS, 132 * ops.TC_BLOCKS_PER_SM),)
+            assert smem == (3 * 1600 * 4 if ln else 0) + 3 * tc_gemv.tc_row_words(1600, kind) * 4, (kind, ln, smem)
+    fn = types.SimpleNamespace(shared_size_bytes=2048)
+    monkeypatch.setattr(ops, "lowp_kernel", lambda name, rows, unroll, maxb: fn)
+    step, launch = ops._lowp_launcher("int8", 9, "EPI_BIAS", 6400, 4096, True, 8)
+    assert step == ((64 << 10) - 2048) // tc_gemv.tc_smem(4096, 1, "int8", True) == 2    # 24,592 B a row with LN
+    launch(2, ())
+    assert launched.pop()[2] == tc_gemv.tc_smem(4096, 2, "int8", True)
+    assert ops._lowp_launcher("bf16", 8, "EPI_NONE", 64, 64, False, 8)[0] == 8
+    with pytest.raises(ValueError, match=r"rows/unroll: v6/v7's launch shape, not gemv_v9's"):
+        ops._lowp_launcher("int8", 9, "EPI_NONE", 64, 64, False, 8, rows=2)
+    monkeypatch.setattr(ops, "device_info", lambda: {"sm": 75, "shared_per_block_optin": 64 << 10})
+    with pytest.raises(ValueError, match=r"version: gemv_v8 runs bf16 weights on tensor cores, which needs sm_80; "
+                                         r"this GPU is sm_75 \(version 6 runs everywhere\)"):
+        ops._lowp_launcher("bf16", 8, "EPI_NONE", 64, 64, False, 8)
+    assert ops.lowp_version("int8", 8) == 9 and ops.lowp_version("bf16", 8) == 6 and ops.lowp_version("int8", 1) == 7
+    with ops.tensor_cores(False):
+        assert ops.lowp_version("int8", 8) == 7
+
+
 class _Fake:
     """Stands for a CuPy array where the wrappers only look at shape and dtype (their checks stubbed)."""
     def __init__(self, shape, dtype=np.float32):
