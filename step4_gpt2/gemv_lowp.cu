@@ -262,8 +262,8 @@ gemv_v7(const float* __restrict__ x, const signed char* __restrict__ W, const fl
 // weight, plus the widening (v7: a byte permute and an FADD): the bytes stay, the instructions grow with the
 // batch, and from batch 2 on the SM's issue rate rather than DRAM sets the pace (lesson 4f measures it).
 // One mma.sync.m16n8k16 does 16 x 8 x 16 multiply-adds; here it takes 8 rows of W (its B operand, 8 columns)
-// against the batch's rows of x (its A operand, 16 rows, those past the batch zero): the work of 128 FMA
-// instructions at batch 1, 1024 at batch 8, for the same cost (idle rows of a tensor core are free).
+// against the batch's rows of x (its A operand, 16 rows, those past the batch zero): one warp instruction for
+// the 128 multiply-adds of batch 1 (4 warp-wide FMA instructions) or the 1024 of batch 8 (32 of them).
 //
 //   lane (g, t) = (lane / 4, lane % 4) of a warp: W row n0 + g, x row (batch) g, and 16 bytes of each row at
 //   k = c*KC + t*PER .. + PER - 1 in chunk c of KC = 4*PER weights (PER = 8 bf16 or 16 int8: one 16-byte load).
@@ -272,11 +272,11 @@ gemv_v7(const float* __restrict__ x, const signed char* __restrict__ W, const fl
 // 2t+1, 2t+8, 2t+9 of each 16-wide k step; we give it the lane's own four contiguous weights instead (one
 // 16-byte load from the row, no shuffling) and read x's matching four. Weight -> mma operand:
 //   bf16: as stored (bf16 pairs are the operand's format); x is rounded to bf16 once, in shared memory.
-//   int8: byte permute into the fp16 1024 + (q + 128), then one half2 subtract of 1152: q, exactly (fp16 holds
-//         every integer up to 2048); two weights per permute and per subtract. x is rounded to fp16.
+//   int8: byte permute into the fp16 1024 + (q + 128), minus 1152 (a half2 subtract): q, exactly; two weights per
+//         permute and subtract. x is rounded to fp16 (an |x| past 65504 would be inf; GPT-2's stay far below).
 // The products are summed in fp32 by the tensor core; the row scale (int8) and the epilogue as in v6/v7.
-// Blocks: TC_ROWS rows (TC_ROWS / 8 mma tiles) by TC_WARPS warps that split K chunk by chunk, each lane
-// holding TC_UNROLL chunks' 16-byte loads per tile in flight; the warps' sums meet in shared memory.
+// Blocks (TC_* in tc_gemv.py): TC_ROWS rows (TC_ROWS / 8 tiles) by TC_WARPS warps splitting K chunk by chunk,
+// each lane holding TC_UNROLL chunks' 16-byte loads per tile in flight; the warps' sums meet in shared memory.
 // The LayerNorm prologue is shared by the block's threads (the statistics reduced across warps).
 // Needs sm_80 for bf16 (mma.sync bf16), sm_75 for int8 (fp16 mma: two m16n8k8 there); ops.py checks.
 #ifndef TC_ROWS
@@ -302,7 +302,6 @@ template <int WT> struct Tc {
     }
 };
 constexpr int TC_TILES = TC_ROWS / 8;
-static_assert(TC_ROWS % 8 == 0 && MAXB <= 8, "a tile is 8 rows of W; the batch fills at most 8 of the mma's 16 rows");
 
 // Two floats as one register of two 16-bit operands, the first in the low half: bf16 (round to nearest even,
 // lowp.cuh) or fp16.
@@ -351,6 +350,7 @@ __device__ __forceinline__ void gemv_tc(const float* __restrict__ x, const void*
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
     __trap();      // ops.py launches v9 on sm_75 and newer, v8 on sm_80 (on sm_75 its bf16 mma traps)
 #else
+    static_assert(TC_ROWS % 8 == 0 && MAXB <= 8, "a tile is 8 rows of W; the batch fills at most 8 of the mma's 16 rows");
     using T = Tc<WT>;
     extern __shared__ float4 xs4[];          // LN: B x K floats, then the operands; else the operands only
     __shared__ float red[2][TC_WARPS][MAXB][TC_ROWS];

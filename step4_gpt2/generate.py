@@ -13,7 +13,7 @@ generate() checks the prompts, pads them into one batch and hands the decoding t
   graph too, so the host queues the next step before it reads the last one's tokens (PIPELINE_DEPTH).
 - eager (cuda_graph=False): the same Decoder launching every kernel of every step.
 - programmatic=True: the step's kernels (embedding, GEMVs, decode attention, argmax) launch with programmatic
-  dependent launch on sm_90 and newer (`ops.programmatic`): each starts while the one before it drains (v5/v6/v7's
+  dependent launch on sm_90 and newer (`ops.programmatic`): each starts while the one before it drains (v5-v9's
   GEMVs with their first weight loads), in the graph as eagerly; below sm_90 the launches stay plain.
 - tensor_cores=False: the bf16/int8 GEMVs stay on the CUDA cores (v6/v7, x in fp32) at every batch, as at batch 1;
   by default a batch of 2 or more takes the tensor-core GEMVs (v8/v9, `ops.lowp_version`).

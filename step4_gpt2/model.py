@@ -301,7 +301,7 @@ class GPT:
         cfg = self.config
         B, H, D, eps = s.batch, cfg.n_head, cfg.head_dim, cfg.eps
         fused = expect_choice(plan or plan_for(B), "plan", PLANS) == "fused"
-        v4 = {"version": 4} if self.h[0].c_attn.dtype == np.float32 else {}   # "split": v4 on fp32; bf16/int8: v6/v7
+        v4 = {"version": 4} if self.h[0].c_attn.dtype == np.float32 else {}   # "split": v4 on fp32, else ops picks
         lm_head = getattr(self, "lm_head", self.wte)     # a GPT has one (fp32: wte itself); a stand-in may not
         ops.embedding(s.tokens, s.pos, self.wte, self.wpe, s.x)
         if not fused:

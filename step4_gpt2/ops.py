@@ -93,8 +93,8 @@ def programmatic(on: bool = True):
 
 
 def tensor_cores(on: bool = True):
-    """Inside `with ops.tensor_cores(False):` a bf16/int8 GEMV given no version stays on the CUDA cores (v6/v7, x in
-    fp32) at every batch (lowp_version). Like programmatic(), this module's state, not a thread's."""
+    """Inside `with ops.tensor_cores(False):` a bf16/int8 GEMV given no version stays on v6/v7 (x in fp32) at every
+    batch (lowp_version); a Decoder sets it from its tensor_cores option. Module state, as programmatic()."""
     return _switched("tensor_cores", on)
 
 
@@ -443,10 +443,10 @@ def _lowp_weight(W, scale, K: int, version, B: int = 1):
 
 
 def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, unroll):
-    """gemv() for bf16 / int8 weights: gemv_v6 / gemv_v7, with every v5 fusion."""
+    """gemv() for bf16 / int8 weights: gemv_v6 / v7 or v8 / v9, with every v5 fusion."""
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     B, K = x.shape
-    kind, version, N, scale = _lowp_weight(W, scale, K, version, B)
+    kind, version, N, scale = _lowp_weight(W, scale, K, version, B if (rows, unroll) == (V5_ROWS, V5_UNROLL) else 1)
     if bias is not None:
         expect_array(bias, "bias", dtype=np.float32, shape=(N,))
     if residual and out is None:
@@ -468,8 +468,7 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
 
 
 def _lowp_launcher(kind, version, epi, N, K, ln: bool, maxb, rows=V5_ROWS, unroll=V5_UNROLL):
-    """(batch rows per launch, launch(nb, args)) of gemv_v{version}<epi, ln> from the module of maxb: v6/v7 as
-    v5 (_v5_call), v8/v9 on their own launch shape (_tc_call, on a GPU that has the mma)."""
+    """(batch rows per launch, launch(nb, args)) of gemv_v{version}<epi, ln>: v6/v7 as v5, v8/v9 (_tc_call)."""
     tc = version in TC_VERSION.values()
     if tc and device_info()["sm"] < TC_ARCH[kind]:
         raise ValueError(f"version: gemv_v{version} runs {kind} weights on tensor cores, which needs sm_{TC_ARCH[kind]}; "
@@ -477,15 +476,18 @@ def _lowp_launcher(kind, version, epi, N, K, ln: bool, maxb, rows=V5_ROWS, unrol
     if tc and (rows, unroll) != (V5_ROWS, V5_UNROLL):
         raise ValueError(f"rows/unroll: v6/v7's launch shape, not gemv_v{version}'s; got rows={rows}, unroll={unroll}")
     fn = lowp_kernel(f"gemv_v{version}<{epi}, {'true' if ln else 'false'}>", rows, unroll, maxb)
+    room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes          # v8/v9: x's rows must fit
+    if tc and tc_smem(K, 1, kind, ln) > room:
+        raise ValueError(f"K: gemv_v{version} stages x in shared memory, {tc_smem(K, 1, kind, ln):,} B for a row of "
+                         f"K={K}; this GPU has {room:,} B (version {LOWP_VERSION[kind]} needs none without ln)")
     if tc:
-        room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes       # x's rows must fit
-        return max(1, min(maxb, room // tc_smem(K, 1, kind, ln))), lambda nb, args: _tc_call(fn, N, K, nb, ln, kind, args)
+        return min(maxb, room // tc_smem(K, 1, kind, ln)), lambda nb, args: _tc_call(fn, N, K, nb, ln, kind, args)
     return (_v5_rows_per_launch(fn, K, ln, maxb),
             lambda nb, args: _v5_call(fn, N, K, nb, ln, args, rows, unroll, LOWP_PER_LOAD[kind]))
 
 
 def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps):
-    """gemv_qkv() for bf16 / int8 weights (gemv_v6 / gemv_v7 with the EPI_QKV epilogue)."""
+    """gemv_qkv() for bf16 / int8 weights (gemv_v6 / v7 or v8 / v9 with the EPI_QKV epilogue)."""
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     B, K = x.shape
     kind, version, N, scale = _lowp_weight(W, scale, K, version, B)

@@ -7,8 +7,9 @@ each precision sets, and what the rounding costs in perplexity.
     from step4_gpt2.precision.quality import perplexity
     perplexity(model, held_out_ids, T=256)
 
-The kernels are step4_gpt2/gemv_lowp.cu (gemv_v6: bf16, gemv_v7: int8 with one scale per output row) and the
-conversions step4_gpt2/quantize.py; this package measures them (quality.py, benchmarks.py).
+The kernels are step4_gpt2/gemv_lowp.cu (gemv_v6: bf16, gemv_v7: int8 with one scale per output row; v8, v9:
+the same on tensor cores) and the conversions step4_gpt2/quantize.py; this package measures them (quality.py,
+benchmarks.py).
 """
 from step4_gpt2.precision.quality import Agreement, greedy_agreement, mean_nll, perplexity, top1_agreement
 

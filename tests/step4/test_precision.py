@@ -184,8 +184,9 @@ def lowp_and_reference(precision, lm_head=None, cfg=TINY, seed=0):
     return model, model.reference()
 
 
-def decode_logits(model, prompts, steps):
-    """Prefill, then `steps` decode steps (greedy, eager launches): each step's logits (host) and tokens."""
+def decode_logits(model, prompts, steps, feed=None):
+    """Prefill, then `steps` decode steps (greedy, eager launches): each step's logits (host) and tokens. feed:
+    the tokens (another run's, one (B,) array per step) each step decodes instead of the greedy ones."""
     import cupy as cp
     from step4_gpt2.model import DecodeState
     B, T = prompts.shape
@@ -195,7 +196,9 @@ def decode_logits(model, prompts, steps):
     s.pos[...] = T
     s.lens[...] = T + 1
     out, toks = [logits.get()], [s.tokens.get()]
-    for _ in range(steps):
+    for k in range(steps):
+        if feed is not None:
+            s.tokens[...] = cp.asarray(feed[k])
         poison(s.logits)
         model.decode_step(s, greedy=True)
         out.append(s.logits.get())
@@ -224,8 +227,8 @@ def test_decode_matches_the_dequantized_fp32_model(precision, lm_head, B):
 def test_batched_decode_on_tensor_cores_stays_near_the_fp32_model(precision, lm_head):
     """Batch 8 takes the tensor-core GEMVs by default (ops.lowp_version), which round x to bf16 (bf16 weights)
     or fp16 (int8): every step's logits within that rounding of the fp32 model's (max abs error over max
-    |logit|; an fp16 step is 8x finer than a bf16 one). Greedy tokens may part at a near tie, so they are
-    not compared; the CUDA-core test above compares them."""
+    |logit|; an fp16 step is 8x finer than a bf16 one). Greedy tokens may part at a near tie, so the model
+    decodes the reference's tokens (teacher forcing); the CUDA-core test above compares the tokens."""
     from common import device_info
     from step4_gpt2 import ops
     from step4_gpt2.quantize import KIND_OF_DTYPE
@@ -237,8 +240,8 @@ def test_batched_decode_on_tensor_cores_stays_near_the_fp32_model(precision, lm_
                     f"this GPU is sm_{sm}")
     assert {ops.lowp_version(k, 8) for k in kinds} == {ops.TC_VERSION[k] for k in kinds}
     prompts = np.random.default_rng(8).integers(0, TINY.vocab_size, (8, 7)).astype(np.int32)
-    got, _ = decode_logits(model, prompts, 10)
-    want, _ = decode_logits(ref, prompts, 10)
+    want, want_tok = decode_logits(ref, prompts, 10)
+    got, _ = decode_logits(model, prompts, 10, feed=want_tok)
     limit = 2e-2 if "bf16" in kinds else 4e-3
     for k, (g, w) in enumerate(zip(got, want)):
         err = max_rel_error(g, w.astype(np.float64))
