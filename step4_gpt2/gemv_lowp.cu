@@ -64,7 +64,7 @@
 // the same order either way.
 #include "course.cuh"
 #include "pdl.cuh"
-#include "lowp.cuh"         // word, bf16x4_to_float4, i8x4_to_float4: the widening
+#include "lowp.cuh"         // word, bf16x4_to_float4, i8x4_to_float4, i8x2_to_half2: the widening
 
 #ifndef MAXB
 #define MAXB 8
@@ -315,14 +315,6 @@ __device__ __forceinline__ unsigned pack_x2(float lo, float hi) {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(hi));
         return (unsigned)a | ((unsigned)b << 16);
     }
-}
-
-// int8 weights -> fp16 pairs: bytes (2i, 2i+1) of word v as q, exactly.
-__device__ __forceinline__ unsigned i8x2_to_half2(unsigned v, bool high) {
-    const unsigned h = __byte_perm(v ^ 0x80808080u, 0x64646464u, high ? 0x5342 : 0x5140);   // 1024 + q + 128
-    unsigned r;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64806480u));                     // - 1152
-    return r;
 }
 
 template <int WT>

@@ -1,8 +1,9 @@
-// lowp.cuh - bf16 and int8 weights widened to float in registers: the one place the course does it
-// (step4_gpt2/gemv_lowp.cu's GEMVs and the megakernel's GEMV tiles both read their weights through it); and the
-// way back, fp32 rounded to bf16 bits, shared by mixed.cu's casts and the kernels that replaced a cast
-// (step4_gpt2/train: train_gpt2.cu's LayerNorm forward and backward and GELU backward, attention_bf16.cu's dqkv16),
-// so that a value fused into the kernel that makes it gets the bits a separate cast would have given it.
+// lowp.cuh - bf16 and int8 weights widened to float in registers (or int8 to fp16 tensor-core operands): the one
+// place the course does it (step4_gpt2/gemv_lowp.cu's GEMVs and the megakernel's GEMV tiles both read their
+// weights through it); and the way back, fp32 rounded to bf16 bits, shared by mixed.cu's casts and the kernels
+// that replaced a cast (step4_gpt2/train: train_gpt2.cu's LayerNorm forward and backward and GELU backward,
+// attention_bf16.cu's dqkv16), so that a value fused into the kernel that makes it gets the bits a separate cast
+// would have given it.
 //
 // A weight is stored in fewer bytes and computed with in fp32: the load brings 8 (bf16) or 16 (int8) weights in
 // 16 bytes, and each is widened after the load, where it costs instructions but no bandwidth. The widening must
@@ -38,6 +39,17 @@ __device__ __forceinline__ float4 i8x4_to_float4(unsigned a) {
                        __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7541)) - I8_OFFSET,
                        __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7542)) - I8_OFFSET,
                        __uint_as_float(__byte_perm(b, I8_MAGIC, 0x7543)) - I8_OFFSET);
+}
+
+// Two int8 weights (bytes 2i, 2i+1 of word v: high = false takes bytes 0, 1) as the two fp16 halves of one
+// register, the earlier weight in the low half, exactly: the same byte flip as above puts q + 128 into the low
+// mantissa byte of the fp16 1024 (byte permute with 0x64, fp16 0x64hh = 1024 + hh), and one half2 subtract of
+// 1152 leaves q (fp16 holds every integer up to 2048). gemv_lowp.cu's v9 feeds the result to mma.sync.
+__device__ __forceinline__ unsigned i8x2_to_half2(unsigned v, bool high) {
+    const unsigned h = __byte_perm(v ^ 0x80808080u, 0x64646464u, high ? 0x5342 : 0x5140);   // 1024 + q + 128
+    unsigned r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64806480u));                     // - 1152
+    return r;
 }
 
 // fp32 -> bf16 bits, round to nearest even: add 0x7fff plus the lowest kept bit, keep the top 16 bits. A NaN

@@ -224,6 +224,32 @@ def test_int8_widening_by_a_byte_permute_is_exact_for_all_256_values():
     assert np.float32(offset) == offset == 2**23 + 128             # exactly representable
 
 
+def test_int8_to_fp16_operands_are_exact_for_all_256_values():
+    """lowp.cuh's i8x2_to_half2 (v9's weights as fp16 mma operands), modelled on the host from the constants it
+    is written with: every q in -128..127, at each of a word's four bytes, comes out as the fp16 value q in its
+    half (the earlier byte of a pair in the low half), and the pair's other byte (0 here) as 0."""
+    import re
+    from common.kernels import INCLUDE
+    from tests.step4.test_pdl import _body, _code
+    body = _code(_body((INCLUDE / "lowp.cuh").read_text(), "i8x2_to_half2"))
+    m = re.search(r"__byte_perm\(v \^ (0x[0-9A-Fa-f]+)u, (0x[0-9A-Fa-f]+)u, high \? (0x[0-9A-Fa-f]+) : (0x[0-9A-Fa-f]+)\)",
+                  body)
+    xor, magic, high, low = (int(g, 16) for g in m.groups())
+    sub = int(re.search(r'"r"\((0x[0-9A-Fa-f]+)u\)', body).group(1), 16)
+
+    def half(bits):
+        return np.asarray(bits, np.uint16).view(np.float16).astype(np.float64)
+    assert sub >> 16 == sub & 0xFFFF and half(sub & 0xFFFF) == 1152
+    q = np.arange(-128, 128)
+    for i in range(4):
+        v = (q & 0xFF).astype(np.uint32) << np.uint32(8 * i)              # q at byte i, zeros elsewhere
+        w = byte_perm(v ^ np.uint32(xor), np.uint32(magic), high if i >= 2 else low)
+        lo, hi = half(w & 0xFFFF) - 1152, half(w >> 16) - 1152             # what the half2 subtract leaves
+        got, other = (lo, hi) if i % 2 == 0 else (hi, lo)
+        np.testing.assert_array_equal(got, q, err_msg=f"byte {i}")
+        np.testing.assert_array_equal(other, 0.0, err_msg=f"the other byte of byte {i}'s pair")
+
+
 def test_byte_perm_model_matches_cudas_documented_examples():
     """The model against __byte_perm's definition on hand-worked words (the model is what the proof rests on)."""
     x, y = np.uint32(0x44332211), np.uint32(0x88776655)
