@@ -401,8 +401,8 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
     version that reads another format. (A function of its own, so the rules are checked without a GPU.)"""
     kind = KIND_OF_DTYPE.get(np.dtype(dtype) if dtype is not None else None)
     if kind in (None, "fp32"):
-        want = {6: "uint16 (bf16 bit patterns)", 7: "int8", 8: "uint16 (bf16 bit patterns)", 9: "int8"}.get(
-            version, "uint16 (bf16 bits) or int8")
+        reads = {v: k for table in (LOWP_VERSION, TC_VERSION) for k, v in table.items()}.get(version)
+        want = {"bf16": "uint16 (bf16 bit patterns)", "int8": "int8"}.get(reads, "uint16 (bf16 bits) or int8")
         why = f"version {version} reads" if version in GEMV_LOWP_VERSIONS else "scale= is for"
         raise TypeError(f"W: {why} {want} weights, got dtype {np.dtype(dtype) if dtype is not None else None}")
     if kind == "int8" and not has_scale:
@@ -423,18 +423,18 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
     return kind, version
 
 
-def lowp_version(kind: str, B: int) -> int:
-    """The GEMV for B batch rows of a bf16/int8 call given no version: v8/v9 (tensor cores, whose mma costs the same
-    for 1 row as for 8) from 2 rows on where the GPU has them, else v6/v7 (x in fp32); tensor_cores(False): v6/v7."""
-    tc = _switch["tensor_cores"] and B > 1 and device_info()["sm"] >= TC_ARCH[kind]
-    return TC_VERSION[kind] if tc else LOWP_VERSION[kind]
+def lowp_version(kind: str, B: int, rows: int = V5_ROWS, unroll: int = V5_UNROLL) -> int:
+    """The GEMV for B batch rows of a bf16/int8 call given no version: v8/v9 (tensor cores: 1 row costs what 8 do)
+    from 2 rows on where the GPU has them, else v6/v7 (x in fp32), also under tensor_cores(False) or for rows/unroll
+    other than the defaults (a launch shape of v6/v7's)."""
+    tc = _switch["tensor_cores"] and B > 1 and (rows, unroll) == (V5_ROWS, V5_UNROLL)
+    return TC_VERSION[kind] if tc and device_info()["sm"] >= TC_ARCH[kind] else LOWP_VERSION[kind]
 
 
-def _lowp_weight(W, scale, K: int, version, B: int = 1):
-    """Check a bf16/int8 weight (N, K) and its scale; (kind, version, N, scale argument). No version: the one
-    lowp_version picks for B rows."""
+def _lowp_weight(W, scale, K: int, version, B: int = 1, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
+    """Check a bf16/int8 weight (N, K) and its scale: (kind, version, N, scale); no version: lowp_version's."""
     kind, picked = lowp_format(_dtype(W), K, scale is not None, version)
-    version = picked if version is not None else lowp_version(kind, B)
+    version = picked if version is not None else lowp_version(kind, B, rows, unroll)
     W = expect_array(W, "W", dtype=(np.uint16, np.int8), ndim=2, shape=(None, K))
     N = W.shape[0]
     if scale is not None:
@@ -446,7 +446,7 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
     """gemv() for bf16 / int8 weights: gemv_v6 / v7 or v8 / v9, with every v5 fusion."""
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
     B, K = x.shape
-    kind, version, N, scale = _lowp_weight(W, scale, K, version, B if (rows, unroll) == (V5_ROWS, V5_UNROLL) else 1)
+    kind, version, N, scale = _lowp_weight(W, scale, K, version, B, rows, unroll)
     if bias is not None:
         expect_array(bias, "bias", dtype=np.float32, shape=(N,))
     if residual and out is None:
