@@ -841,8 +841,9 @@ def test_lowp_wrappers_name_bad_arguments(cp):
 @pytest.mark.sanitize
 def test_int8_widening_on_the_gpu_is_exact_for_all_256_values(cp):
     """The byte-permute widening on the device, bit for bit: dequant_int8_v1 gives every int8 value times a unit
-    scale as itself, and times a random scale as float32's one rounding of the product; gemv_v7 with one-hot x
-    rows (one launch per 8 of the 256 columns) returns q's columns exactly."""
+    scale as itself, and times a random scale as float32's one rounding of the product; the int8 GEMV with one-hot
+    x rows (256 rows: v9, whose fp16 operands hold 0 and 1 exactly, where the GPU has it, else v7) returns q's
+    columns exactly."""
     from step4_gpt2.ops import dequantize, gemv
     q = np.stack([np.random.default_rng(i).permutation(np.arange(-128, 128)).astype(np.int8) for i in range(7)])
     dq = cp.asarray(q)
