@@ -48,7 +48,7 @@ from step2_attention import flash
 from step2_attention.flash import decode_split_count, flash_attention_qkv  # noqa: F401
 from step3_fused.ops import layernorm, residual_layernorm  # noqa: F401
 from step4_gpt2 import pdl
-from step4_gpt2.quantize import KIND_OF_DTYPE, LowpWeight
+from step4_gpt2.quantize import BYTES_PER_WEIGHT, KIND_OF_DTYPE, LowpWeight
 from step4_gpt2.tc_gemv import TC_ARCH, TC_BLOCKS_PER_SM, TC_ROWS, TC_VERSION, TC_WARPS, tc_defines, tc_smem
 
 CU = Path(__file__).resolve().parent / "gpt2.cu"
@@ -66,7 +66,7 @@ ARGMAX_BATCH = 4        # argmax_v2: 16-byte loads in flight per thread
 GEMV_VERSIONS = (1, 2, 3, 4, 5)   # fp32 weights (gpt2.cu)
 GEMV_LOWP_VERSIONS = (6, 7, 8, 9)  # bf16 and int8 weights (gemv_lowp.cu): v5's design (6, 7), on tensor cores (8, 9)
 LOWP_VERSION = {"bf16": 6, "int8": 7}
-LOWP_PER_LOAD = {"bf16": 8, "int8": 16}     # weights per 16-byte load: K must be a multiple
+LOWP_PER_LOAD = {k: 16 // BYTES_PER_WEIGHT[k] for k in LOWP_VERSION}   # weights per 16-byte load (8, 16)
 LOWP_CU = Path(__file__).resolve().parent / "gemv_lowp.cu"
 NULL = null_or(None)    # an unused pointer argument
 _switch = {"programmatic": False, "tensor_cores": True}   # set by programmatic() and tensor_cores()
@@ -476,14 +476,14 @@ def _lowp_launcher(kind, version, epi, N, K, ln: bool, maxb, rows=V5_ROWS, unrol
     if tc and (rows, unroll) != (V5_ROWS, V5_UNROLL):
         raise ValueError(f"rows/unroll: v6/v7's launch shape, not gemv_v{version}'s; got rows={rows}, unroll={unroll}")
     fn = lowp_kernel(f"gemv_v{version}<{epi}, {'true' if ln else 'false'}>", rows, unroll, maxb)
-    room = device_info()["shared_per_block_optin"] - fn.shared_size_bytes          # v8/v9: x's rows must fit
-    if tc and tc_smem(K, 1, kind, ln) > room:
-        raise ValueError(f"K: gemv_v{version} stages x in shared memory, {tc_smem(K, 1, kind, ln):,} B for a row of "
+    if not tc:
+        return (_v5_rows_per_launch(fn, K, ln, maxb),
+                lambda nb, args: _v5_call(fn, N, K, nb, ln, args, rows, unroll, LOWP_PER_LOAD[kind]))
+    per_row, room = tc_smem(K, 1, kind, ln), device_info()["shared_per_block_optin"] - fn.shared_size_bytes
+    if per_row > room:                                                             # x's rows must fit
+        raise ValueError(f"K: gemv_v{version} stages x in shared memory, {per_row:,} B for a row of "
                          f"K={K}; this GPU has {room:,} B (version {LOWP_VERSION[kind]} needs none without ln)")
-    if tc:
-        return min(maxb, room // tc_smem(K, 1, kind, ln)), lambda nb, args: _tc_call(fn, N, K, nb, ln, kind, args)
-    return (_v5_rows_per_launch(fn, K, ln, maxb),
-            lambda nb, args: _v5_call(fn, N, K, nb, ln, args, rows, unroll, LOWP_PER_LOAD[kind]))
+    return min(maxb, room // per_row), lambda nb, args: _tc_call(fn, N, K, nb, ln, kind, args)
 
 
 def _gemv_qkv_lowp(x, W, scale, bias, q, k_cache, v_cache, pos, version, ln, eps):
