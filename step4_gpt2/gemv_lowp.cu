@@ -38,7 +38,7 @@
 //                perplexity table measures what per-row costs on a trained model.
 //   gemv_v8/v9   v6/v7 on the tensor cores (bf16 / int8 weights): one mma.sync.m16n8k16 takes 8 rows of W
 //                against up to 8 batch rows of x, so batch 8 costs the instructions of batch 1; x is rounded to
-//                bf16 / fp16 for it. ops.lowp_version picks them from batch 2 on (the section below).
+//                bf16 / fp16 for it. ops.lowp_version picks them from batch 2 on, and at batch 1 for short rows.
 //   dequant_bf16_v1, dequant_int8_v1
 //                the prefill path: widen a whole matrix to fp32 once, then cuBLAS multiplies (ops.matmul_lowp).
 //

@@ -15,8 +15,8 @@ generate() checks the prompts, pads them into one batch and hands the decoding t
 - programmatic=True: the step's kernels (embedding, GEMVs, decode attention, argmax) launch with programmatic
   dependent launch on sm_90 and newer (`ops.programmatic`): each starts while the one before it drains (v5-v9's
   GEMVs with their first weight loads), in the graph as eagerly; below sm_90 the launches stay plain.
-- tensor_cores=False: the bf16/int8 GEMVs stay on the CUDA cores (v6/v7, x in fp32) at every batch, as at batch 1;
-  by default a batch of 2 or more takes the tensor-core GEMVs (v8/v9, `ops.lowp_version`).
+- tensor_cores=False: the bf16/int8 GEMVs stay on the CUDA cores (v6/v7, x in fp32) at every batch; by default a
+  batch of 2 or more, and batch 1 for short rows, takes the tensor-core GEMVs (v8/v9, `ops.lowp_version`).
 - `decoder=`: another Decoder subclass, built with the same arguments (model, batch, cache length, greedy,
   and the options given to generate); generate() drives it the same way.
 The decoder (its KV cache, buffers and graphs) is kept on the model for the next call with the same class,

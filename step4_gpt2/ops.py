@@ -7,8 +7,8 @@ goes through (steps 2 and 3's attention and LayerNorm kernels are imported here 
     gemv(x, W, bias, out, gelu, version, ln, residual)   the decode-step matrix product (v1 .. v5)
     gemv_qkv(x, W, bias, q, k_cache, v_cache, pos)   the QKV GEMV whose epilogue appends k, v to the cache
         both take W as float32 (gpt2.cu, v1 .. v5), uint16 bf16 bits (gemv_lowp.cu, v6) or int8 with
-        scale= its (N,) row scales (v7), or a quantize.LowpWeight: the dtype picks the kernel, and from batch 2
-        on the tensor-core v8 / v9 (lowp_version; `with ops.tensor_cores(False):` keeps v6 / v7)
+        scale= its (N,) row scales (v7), or a quantize.LowpWeight: the dtype picks the kernel, lowp_version when
+        the tensor-core v8 / v9 run instead (`with ops.tensor_cores(False):` keeps v6 / v7)
     matmul_lowp(x, W, scale, out)                    prefill with bf16/int8 weights: widen once, then cuBLAS
     argmax(logits, tokens, pos, lens), advance(pos, lens)   greedy choice and position update on the device
     programmatic()                                   with ops.programmatic(): the kernels above and the decode
@@ -94,7 +94,7 @@ def programmatic(on: bool = True):
 
 def tensor_cores(on: bool = True):
     """Inside `with ops.tensor_cores(False):` a bf16/int8 GEMV given no version stays on v6/v7 (x in fp32) at every
-    batch (lowp_version); a Decoder sets it from its tensor_cores option. Module state, as programmatic()."""
+    batch and row length (lowp_version); a Decoder sets it from its tensor_cores option. Module state."""
     return _switched("tensor_cores", on)
 
 
@@ -257,7 +257,7 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
     rows/unroll: v5's rows per tile and 16-byte loads in flight per lane and row (a module compiled per pair).
     W uint16 (bf16 bits) or int8 (with scale=, (N,) float32), or a LowpWeight: gemv_v6 / gemv_v7 (gemv_lowp.cu),
     with every v5 fusion, or their tensor-core versions gemv_v8 / gemv_v9 (rows/unroll are v6/v7's); version
-    None picks the kernel from W's dtype and the batch (lowp_version)."""
+    None picks the kernel from W's dtype, the batch and the row length K (lowp_version)."""
     W, scale = _unpack(W, scale)
     if scale is not None or _dtype(W) in (np.uint16, np.int8) or version in GEMV_LOWP_VERSIONS:
         return _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, unroll)
@@ -319,7 +319,7 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
 def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: float = 1e-5, scale=None):
     """q (B, C) = first third of x @ W^T + b; k and v go into the caches (B, H, L, D) at row pos[b].
     version 5 (the default for float32 W) with ln=(weight, bias): x is LayerNorm-ed first, inside the same
-    kernel. W uint16 (bf16 bits) or int8 with scale= (or a LowpWeight): version 6 / 7, ln= too.
+    kernel. W uint16 (bf16 bits) or int8 with scale= (or a LowpWeight): version 6 / 7 or 8 / 9 (lowp_version), ln= too.
     pos (B,) int32 is read on the device (so the step is capturable) and not range-checked here:
     0 <= pos[b] < L is the caller's invariant (generate sizes the cache for every position it feeds)."""
     W, scale = _unpack(W, scale)
@@ -362,8 +362,7 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
 
 # ----------------------------------------------------------------------------- fewer bytes per weight
 def lowp_defines(rows: int = V5_ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict:
-    """gemv_lowp.cu's defines for v6/v7 and the prefill's kernels: v5's constants (rows per tile, 16-byte loads
-    per row a lane has in flight, batch rows per launch: gemv_module)."""
+    """gemv_lowp.cu's defines for v6/v7 and the prefill's kernels: v5's (rows, unroll; maxb: gemv_module)."""
     return {"MAXB": maxb, "ROWS": rows, "UNROLL": unroll, "MAXWARPS": V5_MAXWARPS}
 
 
@@ -423,18 +422,19 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
     return kind, version
 
 
-def lowp_version(kind: str, B: int, rows: int = V5_ROWS, unroll: int = V5_UNROLL) -> int:
-    """The GEMV for B batch rows of a bf16/int8 call given no version: v8/v9 (tensor cores: 1 row costs what 8 do)
-    from 2 rows on where the GPU has them, else v6/v7 (x in fp32), also under tensor_cores(False) or for rows/unroll
-    other than the defaults (a launch shape of v6/v7's)."""
-    tc = _switch["tensor_cores"] and B > 1 and (rows, unroll) == (V5_ROWS, V5_UNROLL)
+def lowp_version(kind: str, B: int, K: int, *, rows: int = V5_ROWS, unroll: int = V5_UNROLL) -> int:
+    """The GEMV for B rows of K bf16/int8 weights given no version: v8/v9 (tensor cores: 1 row costs what 8 do, and
+    8 warps share a tile) from 2 rows on, and at 1 row where v6/v7 would run a block as one warp, if the GPU has
+    them; else v6/v7 (x in fp32), also under tensor_cores(False) or for rows/unroll other than the defaults."""
+    one_warp = K // LOWP_PER_LOAD[kind] <= 32 * unroll           # _v5_launch's warps for a row of K: one
+    tc = _switch["tensor_cores"] and (B > 1 or one_warp) and (rows, unroll) == (V5_ROWS, V5_UNROLL)
     return TC_VERSION[kind] if tc and device_info()["sm"] >= TC_ARCH[kind] else LOWP_VERSION[kind]
 
 
 def _lowp_weight(W, scale, K: int, version, B: int = 1, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
     """Check a bf16/int8 weight (N, K) and its scale: (kind, version, N, scale); no version: lowp_version's."""
     kind, picked = lowp_format(_dtype(W), K, scale is not None, version)
-    version = picked if version is not None else lowp_version(kind, B, rows, unroll)
+    version = picked if version is not None else lowp_version(kind, B, K, rows=rows, unroll=unroll)
     W = expect_array(W, "W", dtype=(np.uint16, np.int8), ndim=2, shape=(None, K))
     N = W.shape[0]
     if scale is not None:

@@ -1,6 +1,6 @@
 """The tensor-core decode GEMVs of gemv_lowp.cu (v8: bf16 weights, v9: int8): the GPU they need, their launch
 shape and the shared memory a launch asks for. ops.py launches them (ops.gemv, ops.gemv_qkv; ops.lowp_version
-picks them from batch 2 on)."""
+picks them from batch 2 on, and at batch 1 for rows that v6/v7 would give one warp)."""
 from __future__ import annotations
 
 from step4_gpt2.quantize import BYTES_PER_WEIGHT

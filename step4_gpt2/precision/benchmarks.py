@@ -102,12 +102,14 @@ class RandomParams(Mapping):
 
 
 def decode_step_s(model, batch: int, steps: int = STEPS, prompt_len: int = PROMPT_LEN,
-                  programmatic: bool = False) -> float:
+                  programmatic: bool = False, tensor_cores: bool = True) -> float:
     """Seconds per greedy decode step of lesson 4a's graph Decoder after a prompt of prompt_len random tokens
-    (programmatic: its kernels launched with programmatic dependent launch)."""
+    (programmatic: its kernels launched with programmatic dependent launch; tensor_cores=False: the bf16/int8
+    GEMVs on the CUDA cores, ops.tensor_cores)."""
     from step4_gpt2.generate import Decoder
     from step4_gpt2.megakernel.benchmarks import decode_s
-    dec = Decoder(model, batch, prompt_len + steps + 1, True, cuda_graph=True, programmatic=programmatic)
+    dec = Decoder(model, batch, prompt_len + steps + 1, True, cuda_graph=True, programmatic=programmatic,
+                  tensor_cores=tensor_cores)
     s = decode_s(dec, random_ids(model.config, batch, prompt_len, seed=batch), steps) / steps
     free(dec)
     return s

@@ -3,6 +3,7 @@ prefill's widening) through ops.gemv / gemv_qkv / matmul_lowp, and weights.py's 
 CPU part: the conversions against common/reference/quantize.py, argument rules, compiles, bf16 weight files.
 GPU part: every format x epilogue x LayerNorm prologue x batch on awkward shapes against float64 references
 (bf16: the reference uses the bf16-rounded weights, int8 the dequantized ones, so both are fp32-tight)."""
+import itertools
 import json
 import types
 
@@ -363,10 +364,14 @@ def test_the_tensor_core_launch_and_its_shared_memory(monkeypatch):
     with pytest.raises(ValueError, match=r"version: gemv_v8 runs bf16 weights on tensor cores, which needs sm_80; "
                                          r"this GPU is sm_75 \(version 6 runs everywhere\)"):
         ops._lowp_launcher("bf16", 8, "EPI_NONE", 64, 64, False, 8)
-    assert ops.lowp_version("int8", 8) == 9 and ops.lowp_version("bf16", 8) == 6 and ops.lowp_version("int8", 1) == 7
+    assert ops.lowp_version("int8", 8, 6400) == 9 and ops.lowp_version("bf16", 8, 6400) == 6     # sm_75: no v8
+    # batch 1: the tensor cores where v7 would run a block as one warp (32 lanes x 4 loads x 16 weights = 2048)
+    assert ops.lowp_version("int8", 1, 2048) == 9 and ops.lowp_version("int8", 1, 2064) == 7
     with ops.tensor_cores(False):
-        assert ops.lowp_version("int8", 8) == 7
-    assert ops.lowp_version("int8", 8, rows=2) == 7 and ops.lowp_version("int8", 8, unroll=2) == 7   # v7's shape
+        assert ops.lowp_version("int8", 8, 6400) == 7 and ops.lowp_version("int8", 1, 1600) == 7
+    assert ops.lowp_version("int8", 8, 6400, rows=2) == 7 and ops.lowp_version("int8", 1, 64, unroll=2) == 7
+    monkeypatch.setattr(ops, "device_info", lambda: {"sm": 90})
+    assert [ops.lowp_version("bf16", 1, K) for K in (768, 1024, 1032, 1600)] == [8, 8, 6, 6]    # 8 weights a load
 
 
 class _Fake:
@@ -382,9 +387,10 @@ class _Fake:
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 def test_every_gemv_wrapper_launches_the_batch_1_module_at_batch_1(monkeypatch, kind):
     """ops.gemv and ops.gemv_qkv, fp32 (v5), bf16 (v6 / v8) and int8 (v7 / v9), every fusion: the kernel comes
-    from the module gemv_module picks (MAXB 1 at batch 1, MAXB for more rows), bf16/int8 from the CUDA-core
-    version at batch 1 and the tensor-core one for more rows (lowp_version, on an sm_90 stand-in), and the
-    launches cover the B rows. Run on the CPU, the arrays' checks and the launch stubbed."""
+    from the module gemv_module picks (MAXB 1 at batch 1, MAXB for more rows), bf16/int8 from the tensor-core
+    version for more rows and at batch 1 for short rows, the CUDA-core one at batch 1 for long rows (lowp_version,
+    on an sm_90 stand-in), and the launches cover the B rows. Run on the CPU, the arrays' checks and the launch
+    stubbed."""
     from step4_gpt2 import ops
     asked, launched = [], []
     monkeypatch.setattr(ops, "expect_array", lambda a, *args, **kw: a)
@@ -404,12 +410,12 @@ def test_every_gemv_wrapper_launches_the_batch_1_module_at_batch_1(monkeypatch, 
     monkeypatch.setattr(ops, "_v5_call", lambda fn, N, K, nb, ln, args, rows=4, unroll=4, per_load=4:
                         launched.append(nb))
     monkeypatch.setattr(ops, "_tc_call", lambda fn, N, K, nb, ln, kind, args: launched.append(nb))
-    C, H, L = 64, 2, 4
+    H, L = 2, 4
     wdt = {"fp32": np.float32, "bf16": np.uint16, "int8": np.int8}[kind]
-    scale = _Fake((3 * C,)) if kind == "int8" else None
-    for B in (1, 3, 11):
+    for C, B in itertools.product((64, 2560), (1, 3, 11)):       # rows of one warp's loads, and of more
+        scale = _Fake((3 * C,)) if kind == "int8" else None
         want = 1 if B == 1 else ops.MAXB
-        version = 5 if kind == "fp32" else (ops.LOWP_VERSION if B == 1 else ops.TC_VERSION)[kind]
+        version = 5 if kind == "fp32" else (ops.LOWP_VERSION if B == 1 and C > 64 else ops.TC_VERSION)[kind]
         x, bias, g = _Fake((B, C)), _Fake((3 * C,)), _Fake((C,))
         for ln in (None, (g, g)):
             for fusion in ({}, {"gelu": True}, {"residual": True}):
@@ -759,8 +765,9 @@ def test_gemv_lowp_ln_prologue_splits_the_batch_to_fit_shared_memory(cp, monkeyp
 def test_the_batch_1_module_gives_the_maxb_modules_bits(cp, kind, monkeypatch):
     """At batch 1 ops launches the MAXB=1 module (one accumulator per row, x read the same way): the same
     products summed in the same order as the MAXB=8 module's, so the same bits, for every fusion and gemv_qkv
-    (v5 fp32, v6 bf16, v7 int8; XL's K = 1600 and 6400, several tiles per block)."""
+    (v5 fp32, v6 bf16, v7 int8 on the CUDA cores; XL's K = 1600 and 6400, several tiles per block)."""
     from step4_gpt2 import ops
+    monkeypatch.setitem(ops._switch, "tensor_cores", False)     # int8 rows of 1600 would take v9 at batch 1
     C, H, L = 1600, 25, 3
     rng = np.random.default_rng(37)
     g, o = (cp.asarray(rng.uniform(-1, 1, C).astype(np.float32)) for _ in range(2))
