@@ -108,8 +108,7 @@ def _launch(fn, grid, block, args, shared_mem: int = 0) -> None:
 
 def decode_attention(q, k_cache, v_cache, lengths, out=None, scale: float | None = None, version: int = 2):
     """Step 2's decode attention (step2_attention.flash.decode_attention, same arguments), its kernels launched
-    as this module's: with programmatic dependent launch inside programmatic() (decode_attention.cu waits
-    before it reads)."""
+    as this module's: with programmatic dependent launch inside programmatic() (its kernels wait, then read)."""
     return flash.decode_attention(q, k_cache, v_cache, lengths, out=out, scale=scale, version=version,
                                   launch=_launch)
 
@@ -200,14 +199,17 @@ def _v34_launch(version: int, N: int):
     return launch_grid(N, ROWS), (32 * V4_WARPS,)
 
 
+def _v5_warps(K: int, unroll: int = V5_UNROLL, per_load: int = 4) -> int:
+    """Warps of a gemv_v5/v6/v7 block: the fewest (<= V5_MAXWARPS) whose lanes' `unroll` loads cover a row."""
+    return min(V5_MAXWARPS, max(1, -(-(K // per_load) // (32 * unroll))))
+
+
 def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL,
                per_load: int = 4):
-    """(grid, block, shared bytes) of gemv_v5 kernel fn: the fewest warps (<= V5_MAXWARPS) whose lanes cover
-    a row with `unroll` 16-byte loads (of `per_load` weights) each; one block per `rows`-row tile, at most
-    V5_BLOCKS_PER_SM per SM and no more than can be resident (common.occupancy), after which blocks loop over
-    tiles. gemv_v6/v7 launch the same way, with 8 or 16 weights per load. Shared memory: the LayerNorm
-    prologue's nb normalised rows of x, none without it (whichever module fn comes from)."""
-    warps = min(V5_MAXWARPS, max(1, -(-(K // per_load) // (32 * unroll))))
+    """(grid, block, shared bytes) of gemv_v5/v6/v7 kernel fn: _v5_warps; a block per `rows`-row tile, at most
+    V5_BLOCKS_PER_SM per SM and as many as are resident (common.occupancy), then blocks loop over tiles;
+    shared memory: the LayerNorm prologue's nb normalised rows of x, none without it."""
+    warps = _v5_warps(K, unroll, per_load)
     smem = nb * K * 4 if ln else 0
     blocks_per_sm = V5_BLOCKS_PER_SM
     if ln and nb > 2:      # every block re-reads and normalises all nb rows: amortise it over more tiles
@@ -423,11 +425,10 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
 
 
 def lowp_version(kind: str, B: int, K: int, *, rows: int = V5_ROWS, unroll: int = V5_UNROLL) -> int:
-    """The GEMV for B rows of K bf16/int8 weights given no version: v8/v9 (tensor cores: 1 row costs what 8 do, and
-    8 warps share a tile) from 2 rows on, and at 1 row where v6/v7 would run a block as one warp, if the GPU has
-    them; else v6/v7 (x in fp32), also under tensor_cores(False) or for rows/unroll other than the defaults."""
-    one_warp = K // LOWP_PER_LOAD[kind] <= 32 * unroll           # _v5_launch's warps for a row of K: one
-    tc = _switch["tensor_cores"] and (B > 1 or one_warp) and (rows, unroll) == (V5_ROWS, V5_UNROLL)
+    """The GEMV for B rows of K bf16/int8 weights given no version: v8/v9 (tensor cores; 8 warps share a tile) from
+    2 rows on and at 1 row where v6/v7's block would be one warp, if the GPU has them; else v6/v7 (x in fp32)."""
+    tc = _switch["tensor_cores"] and (rows, unroll) == (V5_ROWS, V5_UNROLL) and \
+        (B > 1 or _v5_warps(K, unroll, LOWP_PER_LOAD[kind]) == 1)
     return TC_VERSION[kind] if tc and device_info()["sm"] >= TC_ARCH[kind] else LOWP_VERSION[kind]
 
 
@@ -528,11 +529,10 @@ def dequantize(W, scale=None, out=None):
 
 def matmul_lowp(x, W, scale=None, out=None):
     """y (M, N) = x (M, K) @ W^T for a bf16 (uint16 bits) or int8 (+ scale) weight W (N, K), or a LowpWeight:
-    the prefill's matrix products. The simplest correct way: `dequantize` widens W to a float32 scratch
-    matrix with one kernel, then cuBLAS multiplies (cupy.matmul). It costs the fp32 bytes of W once per call
-    (written, then read by cuBLAS) - once per prefill, not per token: for a prompt of M tokens that is
-    (1 or 2 read + 4 written) / M bytes per weight per token more than an fp32 prefill moves. A float32 W
-    goes straight to cuBLAS."""
+    the prefill's matrix products. The simplest correct way: `dequantize` widens W to a float32 scratch matrix with
+    one kernel, then cuBLAS multiplies (cupy.matmul). It costs the fp32 bytes of W once per call (written, then read
+    by cuBLAS) - once per prefill, not per token: for a prompt of M tokens that is (1 or 2 read + 4 written) / M
+    bytes per weight per token more than an fp32 prefill moves. A float32 W goes straight to cuBLAS."""
     import cupy as cp
     W, scale = _unpack(W, scale)
     x = expect_array(x, "x", dtype=np.float32, ndim=2)
