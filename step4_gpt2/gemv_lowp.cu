@@ -153,33 +153,9 @@ __device__ __forceinline__ void gemv_lowp(const float* __restrict__ x, const voi
     if (tile < ntiles) lowp_load(w, Wv, tile * ROWS, N, KV, 0);
     pdl_wait();                   // every thread, even one without a tile: x and y are the last kernel's
     pdl_launch_dependents();      // after the wait: at most one kernel runs ahead of the one finishing
-    if (LN) {                                                 // as in v5, while the weight loads fly
-        const float4* g4 = reinterpret_cast<const float4*>(ln_w);
-        const float4* b4 = reinterpret_cast<const float4*>(ln_b);
-        for (int b = warp; b < B; b += nwarps) {
-            float4* sr = xs4 + (long long)b * K4;
-            float sum = 0.0f;
-            for (int k = lane; k < K4; k += 32) {
-                const float4 v = x4[(long long)b * K4 + k];
-                sr[k] = v;
-                sum += (v.x + v.y) + (v.z + v.w);
-            }
-            const float mean = warp_sum(sum) / K;
-            float ss = 0.0f;
-            for (int k = lane; k < K4; k += 32) {
-                const float4 v = sr[k];
-                const float a = v.x - mean, c = v.y - mean, d = v.z - mean, e = v.w - mean;
-                ss += (a * a + c * c) + (d * d + e * e);
-            }
-            const float rstd = rsqrtf(warp_sum(ss) / K + eps);
-            for (int k = lane; k < K4; k += 32) {
-                const float4 v = sr[k], g = __ldg(g4 + k), o = __ldg(b4 + k);
-                sr[k] = make_float4((v.x - mean) * rstd * g.x + o.x, (v.y - mean) * rstd * g.y + o.y,
-                                    (v.z - mean) * rstd * g.z + o.z, (v.w - mean) * rstd * g.w + o.w);
-            }
-        }
-        __syncthreads();
-    }
+    if (LN)                                                   // as in v5, while the weight loads fly
+        layernorm_to_shared(xs4, x4, reinterpret_cast<const float4*>(ln_w), reinterpret_cast<const float4*>(ln_b),
+                            B, K, eps);
     for (int it = 0; tile < ntiles; tile += gridDim.x, ++it) {
         const int n0 = tile * ROWS;
         float acc[ROWS][MAXB];

@@ -27,7 +27,9 @@
 //                       blocks stride over row tiles (the LM head) and prefetch the next tile before the
 //                       reduction. Two more fusions remove the residual_layernorm launches of a step: a
 //                       LayerNorm prologue (each block normalises the B input rows into shared memory while
-//                       its weight loads are in flight) and a residual epilogue (x += y + bias, in place).
+//                       its weight loads are in flight: a warp a row, the whole block for a lone row, or one
+//                       warp's loads would gate every warp's first FMA) and a residual epilogue (x += y + bias,
+//                       in place).
 //                       At batch 1 ops launches a module compiled with MAXB=1: acc[ROWS][MAXB] and the batch
 //                       loop shrink to one row (sm_90: 80-108 registers instead of 122-128), more blocks are
 //                       resident, and with no branch on b < B and continue (not break) past a lane's slice,
@@ -337,7 +339,7 @@ __device__ __forceinline__ void v5_load(float4 (&w)[ROWS][V5_UNROLL], const floa
     }
 }
 
-// LN: x is replaced by LayerNorm(x; ln_w, ln_b) (two passes over the row in shared memory, like step 3).
+// LN: x is replaced by LayerNorm(x; ln_w, ln_b) (course.cuh's layernorm_to_shared: two passes, like step 3).
 // EPI_RESID: y (the residual stream, B x N) += x W^T + bias, in place (x is another buffer).
 template <int EPI, bool LN>
 __global__ void __launch_bounds__(32 * V5_MAXWARPS)
@@ -357,33 +359,9 @@ gemv_v5(const float* __restrict__ x, const float* __restrict__ W, const float* _
     if (tile < ntiles) v5_load(w, W4, tile * ROWS, N, K4, 0);
     pdl_wait();                  // every thread, even one without a tile: x and y are the last kernel's
     pdl_launch_dependents();     // after the wait: at most one kernel runs ahead of the one finishing
-    if (LN) {
-        const float4* g4 = reinterpret_cast<const float4*>(ln_w);
-        const float4* b4 = reinterpret_cast<const float4*>(ln_b);
-        for (int b = warp; b < B; b += nwarps) {              // a warp per row; a lane re-reads only its own
-            float4* sr = xs4 + (long long)b * K4;
-            float sum = 0.0f;
-            for (int k = lane; k < K4; k += 32) {
-                const float4 v = x4[(long long)b * K4 + k];
-                sr[k] = v;
-                sum += (v.x + v.y) + (v.z + v.w);
-            }
-            const float mean = warp_sum(sum) / K;
-            float ss = 0.0f;
-            for (int k = lane; k < K4; k += 32) {
-                const float4 v = sr[k];
-                const float a = v.x - mean, c = v.y - mean, d = v.z - mean, e = v.w - mean;
-                ss += (a * a + c * c) + (d * d + e * e);
-            }
-            const float rstd = rsqrtf(warp_sum(ss) / K + eps);
-            for (int k = lane; k < K4; k += 32) {
-                const float4 v = sr[k], g = __ldg(g4 + k), o = __ldg(b4 + k);
-                sr[k] = make_float4((v.x - mean) * rstd * g.x + o.x, (v.y - mean) * rstd * g.y + o.y,
-                                    (v.z - mean) * rstd * g.z + o.z, (v.w - mean) * rstd * g.w + o.w);
-            }
-        }
-        __syncthreads();
-    }
+    if (LN)
+        layernorm_to_shared(xs4, x4, reinterpret_cast<const float4*>(ln_w), reinterpret_cast<const float4*>(ln_b),
+                            B, K, eps);
     for (int it = 0; tile < ntiles; tile += gridDim.x, ++it) {
         const int n0 = tile * ROWS;
         float acc[ROWS][MAXB];

@@ -43,6 +43,41 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// LayerNorm of B rows of K floats (x4: K/4 float4s a row, K a multiple of 4) into shared memory (xs4,
+// B x K/4), two passes over each row as in step 3. A warp takes a row; a lone row (decode at batch 1) is
+// shared by the whole block instead, or one warp would queue its K/128 loads a pass while the others wait.
+__device__ __forceinline__ void layernorm_to_shared(float4* xs4, const float4* __restrict__ x4,
+                                                    const float4* __restrict__ g4, const float4* __restrict__ b4,
+                                                    int B, int K, float eps) {
+    __shared__ float scratch[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32, K4 = K / 4;
+    const bool whole = B == 1;                                // the same for every thread: block_sum is safe
+    const int first = whole ? threadIdx.x : lane, step = whole ? blockDim.x : 32;
+    for (int b = whole ? 0 : warp; b < B; b += nwarps) {
+        float4* sr = xs4 + (long long)b * K4;
+        float sum = 0.0f;
+        for (int k = first; k < K4; k += step) {
+            const float4 v = x4[(long long)b * K4 + k];
+            sr[k] = v;
+            sum += (v.x + v.y) + (v.z + v.w);
+        }
+        const float mean = (whole ? block_sum(sum, scratch) : warp_sum(sum)) / K;
+        float ss = 0.0f;
+        for (int k = first; k < K4; k += step) {              // a thread re-reads only what it wrote
+            const float4 v = sr[k];
+            const float a = v.x - mean, c = v.y - mean, d = v.z - mean, e = v.w - mean;
+            ss += (a * a + c * c) + (d * d + e * e);
+        }
+        const float rstd = rsqrtf((whole ? block_sum(ss, scratch) : warp_sum(ss)) / K + eps);
+        for (int k = first; k < K4; k += step) {
+            const float4 v = sr[k], g = __ldg(g4 + k), o = __ldg(b4 + k);
+            sr[k] = make_float4((v.x - mean) * rstd * g.x + o.x, (v.y - mean) * rstd * g.y + o.y,
+                                (v.z - mean) * rstd * g.z + o.z, (v.w - mean) * rstd * g.w + o.w);
+        }
+    }
+    __syncthreads();
+}
+
 // Elementwise sum of two float4s (four neighbouring columns at once).
 __device__ __forceinline__ float4 operator+(float4 a, float4 b) {
     return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
