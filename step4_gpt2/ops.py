@@ -12,8 +12,7 @@ goes through (steps 2 and 3's attention and LayerNorm kernels are imported here 
     matmul_lowp(x, W, scale, out)                    prefill with bf16/int8 weights: widen once, then cuBLAS
     argmax(logits, tokens, pos, lens), advance(pos, lens)   greedy choice and position update on the device
     programmatic()                                   with ops.programmatic(): the kernels above and the decode
-                                                     attention launch with programmatic dependent launch
-                                                     (sm_90; plain elsewhere)
+                                                     attention launch with programmatic dependent launch (sm_90)
     layernorm, residual_layernorm                    step 3
     flash_attention_qkv, decode_attention            step 2 (decode_attention launched as this module's)
 
@@ -62,6 +61,7 @@ V5_MAXWARPS = 8         # gemv_v5: at most 8 warps (256 threads) per block, its 
 GEMV_THREADS = 128      # gemv_v3: 4 warps, each its own ROWS rows
 V5_BLOCKS_PER_SM = 16   # gemv_v5: grid cap; bigger matrices (the LM head) loop over row tiles
 V5_LN_BLOCKS_PER_SM = 4  # ... with a LayerNorm prologue over > 2 rows: fewer blocks, each normalising once
+V5_LN1_WEIGHTS = 8      # ... over 1 row: weights a lane loads per row (fewer a lane, more warps share the row)
 ARGMAX_BATCH = 4        # argmax_v2: 16-byte loads in flight per thread
 GEMV_VERSIONS = (1, 2, 3, 4, 5)   # fp32 weights (gpt2.cu)
 GEMV_LOWP_VERSIONS = (6, 7, 8, 9)  # bf16 and int8 weights (gemv_lowp.cu): v5's design (6, 7), on tensor cores (8, 9)
@@ -84,11 +84,10 @@ def _switched(name: str, on: bool):
 def programmatic(on: bool = True):
     """Inside `with ops.programmatic():` this module's kernels (embedding, the GEMVs, argmax, advance) and step
     2's decode attention launch with programmatic dependent launch (step4_gpt2/pdl.py) on sm_90 and newer: each
-    may start while the kernel before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads
-    that kernel's output. Below sm_90, and for step 3's LayerNorm kernels (the decode plans that do not fuse it
-    into a GEMV), launches stay plain. Either way the results are the same, as long as no kernel writes a GEMV's
-    weights (gemv_v5 .. v9 load their first weights before they wait; v3/v4 wait first); a CUDA graph captured
-    inside keeps the early starts. The switch is this module's state, not a thread's: one thread decodes at a time."""
+    may start while the kernel before it drains, and waits (pdl_wait, gpt2.cu's header) only before it reads that
+    kernel's output. Elsewhere, and for step 3's LayerNorm kernels, launches stay plain; the results are the same
+    either way (no kernel writes a GEMV's weights, which v5 .. v9 load before they wait). A CUDA graph captured
+    inside keeps the early starts. Module state, not a thread's: one thread decodes at a time."""
     return _switched("programmatic", on)
 
 
@@ -120,18 +119,14 @@ def defines(rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB) -> dict
 
 
 def kernel(name: str, rows: int = ROWS, unroll: int = V5_UNROLL, maxb: int = MAXB):
-    """Kernel `name` of gpt2.cu compiled with these constants (common.get_kernel: cached). `name` is an
-    extern "C" kernel or an instantiation of a templated one, e.g. "gemv_v5<EPI_BIAS_GELU, true>"."""
+    """Kernel `name` of gpt2.cu with these constants (cached): extern "C", or e.g. "gemv_v5<EPI_BIAS_GELU, true>"."""
     return get_kernel(CU, name, defines(rows, unroll, maxb), templates=CU_TEMPLATES[CU])
 
 
 def gemv_module(B: int) -> int:
-    """MAXB of the module a gemv_v5/v6/v7 call of B rows launches from: 1 at batch 1 (the decode of one
-    sequence), MAXB otherwise. Compiled for MAXB rows, acc[ROWS][MAXB] and the batch loop hold registers that
-    a batch of 1 never uses (sm_90, int8: 165-173 per lane, 102-128 at MAXB 1), so fewer blocks are resident.
-    Both modules read x the same way (shared memory only behind the LayerNorm prologue), so any K that the
-    MAXB module takes, the MAXB=1 module takes too: the row length plays no part. Every GEMV wrapper (gemv,
-    gemv_qkv, v5 and the bf16/int8 v6/v7) picks its module here, once per call."""
+    """MAXB of the module a gemv_v5/v6/v7 call of B rows launches from (every GEMV wrapper asks here, once per call):
+    1 at batch 1, MAXB otherwise. Compiled for MAXB rows, acc[ROWS][MAXB] holds registers a batch of 1 never uses
+    (sm_90, int8: 165-173 per lane, 102-128 at MAXB 1), so fewer blocks are resident. Both read x the same way."""
     return 1 if B == 1 else MAXB
 
 
@@ -141,9 +136,8 @@ def _index_vector(a, name: str, n: int):
 
 
 def embedding(tokens, positions, wte, wpe, out):
-    """out[i] = wte[tokens[i]] + wpe[positions[i]]; tokens, positions int32 (n,), out (n, C). The ids are
-    not range-checked here (that needs a host sync, and the decode step reads them on the device):
-    GPT.check_tokens checks prompts, and every later id comes from the model's own argmax or sampler."""
+    """out[i] = wte[tokens[i]] + wpe[positions[i]]; tokens, positions int32 (n,), out (n, C). Ids are not range-checked
+    here (a host sync): GPT.check_tokens checks prompts, and every later id comes from the model's argmax or sampler."""
     out = expect_array(out, "out", dtype=np.float32, ndim=2)
     n, C = out.shape
     wte = expect_array(wte, "wte", dtype=np.float32, shape=(None, C))
@@ -204,11 +198,16 @@ def _v5_warps(K: int, unroll: int = V5_UNROLL, per_load: int = 4) -> int:
     return min(V5_MAXWARPS, max(1, -(-(K // per_load) // (32 * unroll))))
 
 
+def _v5_unroll(unroll, ln: bool, maxb: int, per_load: int = 4) -> int:
+    """v5/v6/v7's loads per lane and row: unroll, or for None V5_UNROLL, but V5_LN1_WEIGHTS weights a lane for a
+    lone row behind the LayerNorm prologue, which the block's warps share (docs/findings/gpt2_decode.md)."""
+    return unroll if unroll is not None else max(1, V5_LN1_WEIGHTS // per_load) if ln and maxb == 1 else V5_UNROLL
+
+
 def _v5_launch(fn, N: int, K: int, nb: int, ln: bool, rows: int = V5_ROWS, unroll: int = V5_UNROLL,
                per_load: int = 4):
     """(grid, block, shared bytes) of gemv_v5/v6/v7 kernel fn: _v5_warps; a block per `rows`-row tile, at most
-    V5_BLOCKS_PER_SM per SM and as many as are resident (common.occupancy), then blocks loop over tiles;
-    shared memory: the LayerNorm prologue's nb normalised rows of x, none without it."""
+    V5_BLOCKS_PER_SM per SM and as many as are resident, then blocks loop over tiles; shared: the LN prologue's rows."""
     warps = _v5_warps(K, unroll, per_load)
     smem = nb * K * 4 if ln else 0
     blocks_per_sm = V5_BLOCKS_PER_SM
@@ -251,12 +250,12 @@ def _ln_args(ln, K: int, eps: float):
 
 
 def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: float = 1e-5,
-         residual: bool = False, rows: int = V5_ROWS, unroll: int = V5_UNROLL, scale=None):
+         residual: bool = False, rows: int = V5_ROWS, unroll: int | None = None, scale=None):
     """y (B, N) = x (B, K) @ W^T (+ bias, then GELU) with W (N, K); any B (chunks of MAXB rows).
     version None = 5. Only v5 has the other fusions:
       ln=(weight, bias): x is replaced by LayerNorm(x) first (each block normalises it in shared memory);
       residual=True: out += x @ W^T + bias, in place (out is the residual stream, required).
-    rows/unroll: v5's rows per tile and 16-byte loads in flight per lane and row (a module compiled per pair).
+    rows/unroll: v5's rows per tile and 16-byte loads per lane and row (a module per pair; unroll None: _v5_unroll).
     W uint16 (bf16 bits) or int8 (with scale=, (N,) float32), or a LowpWeight: gemv_v6 / gemv_v7 (gemv_lowp.cu),
     with every v5 fusion, or their tensor-core versions gemv_v8 / gemv_v9 (rows/unroll are v6/v7's); version
     None picks the kernel from W's dtype, the batch and the row length K (lowp_version)."""
@@ -290,6 +289,7 @@ def gemv(x, W, bias=None, out=None, gelu=False, version=None, ln=None, eps: floa
             raise ValueError("bias: residual=True needs the projection bias")
         lw, lb, e = _ln_args(ln, K, eps)
         maxb = gemv_module(B)
+        unroll = _v5_unroll(unroll, ln is not None, maxb)
         fn = kernel(f"gemv_v5<{epi}, {'false' if ln is None else 'true'}>", rows, unroll, maxb)
         step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
         for b0 in range(0, B, step):
@@ -343,13 +343,15 @@ def gemv_qkv(x, W, bias, q, k_cache, v_cache, pos, version=None, ln=None, eps: f
     if version == 5:
         lw, lb, e = _ln_args(ln, K, eps)
         maxb = gemv_module(B)
-        fn = kernel(f"gemv_v5<EPI_QKV, {'false' if ln is None else 'true'}>", V5_ROWS, maxb=maxb)
+        unroll = _v5_unroll(None, ln is not None, maxb)
+        fn = kernel(f"gemv_v5<EPI_QKV, {'false' if ln is None else 'true'}>", V5_ROWS, unroll, maxb)
         step = _v5_rows_per_launch(fn, K, ln is not None, maxb)
         for b0 in range(0, B, step):
             nb = min(step, B - b0)
             _v5_call(fn, N, K, nb, ln is not None,
                      (x[b0:b0 + nb], W, bias, q[b0:b0 + nb], np.int32(nb), np.int32(N), np.int32(K), lw, lb, e,
-                      k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)))
+                      k_cache[b0:b0 + nb], v_cache[b0:b0 + nb], pos[b0:b0 + nb], np.int32(H), np.int32(L)),
+                     V5_ROWS, unroll)
         return q
     if ln is not None:
         raise ValueError(f"version: ln= needs version 5, got {version!r}")
@@ -397,9 +399,8 @@ def _unpack(W, scale):
 
 
 def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]:
-    """(kind, version) of a bf16/int8 weight of `dtype` read with rows of K weights; a named error for a
-    dtype that is neither, a scale where none belongs or missing, K not a whole number of 16-byte loads, or a
-    version that reads another format. (A function of its own, so the rules are checked without a GPU.)"""
+    """(kind, version) of a bf16/int8 weight of `dtype` read with rows of K weights; a named error for another dtype,
+    a scale misplaced or missing, K not whole 16-byte loads, or a version for another format (CPU-testable)."""
     kind = KIND_OF_DTYPE.get(np.dtype(dtype) if dtype is not None else None)
     if kind in (None, "fp32"):
         reads = {v: k for table in (LOWP_VERSION, TC_VERSION) for k, v in table.items()}.get(version)
@@ -424,15 +425,15 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
     return kind, version
 
 
-def lowp_version(kind: str, B: int, K: int, *, rows: int = V5_ROWS, unroll: int = V5_UNROLL) -> int:
+def lowp_version(kind: str, B: int, K: int, *, rows: int = V5_ROWS, unroll: int | None = None) -> int:
     """The GEMV for B rows of K bf16/int8 weights given no version: v8/v9 (tensor cores; 8 warps share a tile) from
     2 rows on and at 1 row where v6/v7's block would be one warp, if the GPU has them; else v6/v7 (x in fp32)."""
-    tc = _switch["tensor_cores"] and (rows, unroll) == (V5_ROWS, V5_UNROLL) and \
-        (B > 1 or _v5_warps(K, unroll, LOWP_PER_LOAD[kind]) == 1)
+    tc = _switch["tensor_cores"] and rows == V5_ROWS and unroll in (None, V5_UNROLL) and \
+        (B > 1 or _v5_warps(K, V5_UNROLL, LOWP_PER_LOAD[kind]) == 1)
     return TC_VERSION[kind] if tc and device_info()["sm"] >= TC_ARCH[kind] else LOWP_VERSION[kind]
 
 
-def _lowp_weight(W, scale, K: int, version, B: int = 1, rows: int = V5_ROWS, unroll: int = V5_UNROLL):
+def _lowp_weight(W, scale, K: int, version, B: int = 1, rows: int = V5_ROWS, unroll: int | None = None):
     """Check a bf16/int8 weight (N, K) and its scale: (kind, version, N, scale); no version: lowp_version's."""
     kind, picked = lowp_format(_dtype(W), K, scale is not None, version)
     version = picked if version is not None else lowp_version(kind, B, K, rows=rows, unroll=unroll)
@@ -468,14 +469,15 @@ def _gemv_lowp(x, W, scale, bias, out, gelu, version, ln, eps, residual, rows, u
     return y
 
 
-def _lowp_launcher(kind, version, epi, N, K, ln: bool, maxb, rows=V5_ROWS, unroll=V5_UNROLL):
+def _lowp_launcher(kind, version, epi, N, K, ln: bool, maxb, rows=V5_ROWS, unroll=None):
     """(batch rows per launch, launch(nb, args)) of gemv_v{version}<epi, ln>: v6/v7 as v5, v8/v9 (_tc_call)."""
     tc = version in TC_VERSION.values()
     if tc and device_info()["sm"] < TC_ARCH[kind]:
         raise ValueError(f"version: gemv_v{version} runs {kind} weights on tensor cores, which needs sm_{TC_ARCH[kind]}; "
                          f"this GPU is sm_{device_info()['sm']} (version {LOWP_VERSION[kind]} runs everywhere)")
-    if tc and (rows, unroll) != (V5_ROWS, V5_UNROLL):
+    if tc and (rows != V5_ROWS or unroll not in (None, V5_UNROLL)):
         raise ValueError(f"rows/unroll: v6/v7's launch shape, not gemv_v{version}'s; got rows={rows}, unroll={unroll}")
+    unroll = _v5_unroll(unroll, ln, maxb, LOWP_PER_LOAD[kind])                      # v8/v9's module: no unroll
     fn = lowp_kernel(f"gemv_v{version}<{epi}, {'true' if ln else 'false'}>", rows, unroll, maxb)
     if not tc:
         return (_v5_rows_per_launch(fn, K, ln, maxb),
@@ -528,11 +530,9 @@ def dequantize(W, scale=None, out=None):
 
 
 def matmul_lowp(x, W, scale=None, out=None):
-    """y (M, N) = x (M, K) @ W^T for a bf16 (uint16 bits) or int8 (+ scale) weight W (N, K), or a LowpWeight:
-    the prefill's matrix products. The simplest correct way: `dequantize` widens W to a float32 scratch matrix with
-    one kernel, then cuBLAS multiplies (cupy.matmul). It costs the fp32 bytes of W once per call (written, then read
-    by cuBLAS) - once per prefill, not per token: for a prompt of M tokens that is (1 or 2 read + 4 written) / M
-    bytes per weight per token more than an fp32 prefill moves. A float32 W goes straight to cuBLAS."""
+    """y (M, N) = x (M, K) @ W^T for a bf16 (uint16 bits) or int8 (+ scale) weight W (N, K), or a LowpWeight: the
+    prefill's products. `dequantize` widens W to a float32 scratch matrix, then cuBLAS multiplies (cupy.matmul):
+    per prompt of M tokens, (1 or 2 read + 4 written) / M bytes per weight per token more than an fp32 prefill."""
     import cupy as cp
     W, scale = _unpack(W, scale)
     x = expect_array(x, "x", dtype=np.float32, ndim=2)

@@ -63,6 +63,7 @@ __device__ __forceinline__ void layernorm_to_shared(float4* xs4, const float4* _
         }
         const float mean = (whole ? block_sum(sum, scratch) : warp_sum(sum)) / K;
         float ss = 0.0f;
+#pragma unroll 1   // shared memory only; unrolled, ptxas spilled a register in gemv_v6 at UNROLL 1 (sm_90)
         for (int k = first; k < K4; k += step) {              // a thread re-reads only what it wrote
             const float4 v = sr[k];
             const float a = v.x - mean, c = v.y - mean, d = v.z - mean, e = v.w - mean;

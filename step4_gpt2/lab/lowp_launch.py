@@ -1,6 +1,6 @@
 """The launch shape of gemv_v6 (bf16) and gemv_v7 (int8), timed: rows per block (ROWS) x 16-byte loads per row a
 lane has in flight (UNROLL), on one GPT-2 shape's decode matrices, each GEMV alone with a cold L2 (common.bench),
-against the course's choice (v5's ROWS = ops.V5_ROWS, UNROLL = ops.V5_UNROLL) and fp32's gemv_v5 at its defaults.
+against the course's choice (ops.V5_ROWS, and ops._v5_unroll's UNROLL) and fp32's gemv_v5 at its defaults.
 
     python -m step4_gpt2.lab.lowp_launch                         # GPT-2 XL's matrices, batch 1 and 8 (a GPU)
     python -m step4_gpt2.lab.lowp_launch --shape gpt2 --batch 1
@@ -17,7 +17,9 @@ The napkin math the sweep tests (GPT-2 XL's 1600-wide rows, an H100/H200 of 132 
   more warps holds 2.3x fewer bytes in flight on the same register file: a matrix whose tiles all fit at once
   (c_attn, c_proj) can gain, one that needs more waves (the LM head) needs more round trips. More ROWS keep the
   bytes per register and share each x load among more rows, with fewer, larger blocks.
-Neither way is clear on paper, so the course keeps v5's ROWS and UNROLL for bf16 and int8, and this measures.
+Neither way is clear on paper, so the course keeps v5's ROWS and UNROLL for bf16 and int8, and this measures; but
+a lone row behind the LayerNorm prologue takes 8 weights a lane (ops.V5_LN1_WEIGHTS), whatever the format: the
+warps that share the row's normalisation are what the whole decode step measured faster with.
 """
 from __future__ import annotations
 
@@ -86,7 +88,8 @@ def sweep(shape: str = "gpt2-xl", batches=BATCHES, kinds=KINDS) -> list[Row]:
             for kind in kinds:
                 lw = quantize.quantize(w, kind)
                 nbytes = lw.nbytes
-                course = (ops.V5_ROWS, ops.V5_UNROLL)
+                maxb, per_load = ops.gemv_module(B), ops.LOWP_PER_LOAD[kind]
+                course = (ops.V5_ROWS, ops._v5_unroll(None, "ln" in fusion, maxb, per_load))
                 v = ops.LOWP_VERSION[kind]                 # v6/v7 at every batch: their launch shapes are swept
                 want = _call(x, lw, bias, cp.zeros((B, N), cp.float32), ln, fusion, version=v)
                 base = bench(lambda: _call(x, lw, bias, y, ln, fusion, version=v), name="", bytes=nbytes)

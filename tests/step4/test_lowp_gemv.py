@@ -159,18 +159,21 @@ def test_every_lowp_kernel_name_is_in_the_cu_file():
     assert ops.CU_TEMPLATES[ops.LOWP_CU] == tuple(n for n in ops.LOWP_KERNEL_NAMES if "<" in n)
 
 
-@pytest.mark.parametrize("maxb", [8, 1])
+@pytest.mark.parametrize("maxb,ln1", [(8, False), (1, False), (1, True)], ids=["maxb8", "maxb1", "maxb1-ln"])
 @pytest.mark.parametrize("arch", [70, 75, 80, 86, 89, 90])
-def test_gemv_lowp_cu_compiles_every_instantiation(arch, maxb):
+def test_gemv_lowp_cu_compiles_every_instantiation(arch, maxb, ln1):
     """Every kernel the wrappers launch, for sm_70 .. sm_90, without warnings or spills: bf16 is widened with
     integer shifts, so nothing here needs sm_80 (tests/test_compile.py compiles the file the same way, with
-    MAXB 8). MAXB 1 is the batch-1 module (ops.gemv_module)."""
+    MAXB 8). MAXB 1 is the batch-1 module (ops.gemv_module); ln1 its UNROLL for a lone row behind the LayerNorm
+    prologue (ops._v5_unroll: one module for bf16 and int8)."""
     pytest.importorskip("cupy")
     from common import kernels as K
     from step4_gpt2 import ops
     if arch not in K.supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{arch}")
-    r = K.compile_offline(ops.LOWP_CU, arch, {**ops.lowp_defines(maxb=maxb), **ops.tc_defines(maxb)},
+    unrolls = {ops._v5_unroll(None, ln1, maxb, p) for p in ops.LOWP_PER_LOAD.values()}
+    assert len(unrolls) == 1 and (unrolls == {ops.V5_UNROLL}) != ln1, unrolls
+    r = K.compile_offline(ops.LOWP_CU, arch, {**ops.lowp_defines(unroll=unrolls.pop(), maxb=maxb), **ops.tc_defines(maxb)},
                           name_expressions=ops.CU_TEMPLATES[ops.LOWP_CU])
     assert not r.warnings, r.warnings
     assert set(ops.LOWP_KERNEL_NAMES) <= set(r.kernels), r.table()
@@ -327,6 +330,18 @@ def test_gemv_module_and_the_shared_memory_a_launch_asks_for(monkeypatch):
             assert smem == (nb * 6400 * 4 if ln else 0) and block == (128,), (ln, nb, smem)
         assert ops._v5_rows_per_launch(None, 1 << 16, ln, maxb=1) == 1
     assert ops._v5_rows_per_launch(None, 6400, False) == ops.MAXB
+
+
+def test_a_lone_row_behind_the_layernorm_takes_fewer_loads_a_lane():
+    """_v5_unroll: V5_LN1_WEIGHTS weights a lane (fp32 2 float4s, bf16 and int8 one 16-byte load) for batch 1's module
+    with the LayerNorm prologue, so its block has more warps to share normalising the row; V5_UNROLL elsewhere,
+    and an unroll given is kept. lowp_version decides on v6/v7's usual shape, so the tensor-core choice stands."""
+    from step4_gpt2 import ops
+    assert [ops._v5_unroll(None, True, 1, p) for p in (4, 8, 16)] == [2, 1, 1]
+    assert {ops._v5_unroll(None, ln, m, p) for ln, m in ((True, ops.MAXB), (False, 1)) for p in (4, 8, 16)} == \
+        {ops.V5_UNROLL}
+    assert ops._v5_unroll(3, True, 1) == 3
+    assert ops._v5_warps(1600, ops._v5_unroll(None, True, 1), 4) == 7 > ops._v5_warps(1600, ops.V5_UNROLL, 4) == 4
 
 
 def test_the_tensor_core_launch_and_its_shared_memory(monkeypatch):

@@ -380,16 +380,19 @@ def test_every_kernel_the_wrappers_name_is_in_gpt2_cu():
     assert {n.split("<")[0] for n in ops.KERNEL_NAMES if "<" in n} == templates == {"gemv_v3", "gemv_v4", "gemv_v5"}
 
 
-@pytest.mark.parametrize("maxb", [8, 1])
-def test_gpt2_cu_compiles_every_name_the_wrappers_launch(maxb):
+@pytest.mark.parametrize("maxb,ln1", [(8, False), (1, False), (1, True)], ids=["maxb8", "maxb1", "maxb1-ln"])
+def test_gpt2_cu_compiles_every_name_the_wrappers_launch(maxb, ln1):
     """NVRTC, as CuPy runs it on the GPU: each template instantiation ops.py names is compiled through its
     name expression, with the V5_ROWS defines, without spills (tests/test_compile.py compiles the ROWS ones),
-    for MAXB 8 and the batch-1 module's MAXB 1 (ops.gemv_module)."""
+    for MAXB 8 and the batch-1 module's MAXB 1 (ops.gemv_module), and the latter with the V5_UNROLL of a lone
+    row behind the LayerNorm prologue (ops._v5_unroll)."""
     pytest.importorskip("cupy")
     from common import kernels as K
     from step4_gpt2 import ops
     arch = 80 if 80 in K.supported_archs() else K.supported_archs()[-1]
-    r = K.compile_offline(ops.CU, arch, ops.defines(ops.V5_ROWS, maxb=maxb), name_expressions=ops.CU_TEMPLATES[ops.CU])
+    unroll = ops._v5_unroll(None, ln1, maxb)
+    assert (unroll == ops.V5_UNROLL) != ln1
+    r = K.compile_offline(ops.CU, arch, ops.defines(ops.V5_ROWS, unroll, maxb), name_expressions=ops.CU_TEMPLATES[ops.CU])
     assert set(ops.KERNEL_NAMES) <= set(r.kernels), r.table()
     spilled = [k.name for k in r.kernels.values() if k.spill_stores or k.spill_loads]
     assert r.kernels and not spilled, r.table()
