@@ -779,8 +779,9 @@ def test_gemv_lowp_ln_prologue_splits_the_batch_to_fit_shared_memory(cp, monkeyp
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 def test_the_batch_1_module_gives_the_maxb_modules_bits(cp, kind, monkeypatch):
     """At batch 1 ops launches the MAXB=1 module (one accumulator per row, x read the same way): the same
-    products summed in the same order as the MAXB=8 module's, so the same bits, for every fusion and gemv_qkv
-    (v5 fp32, v6 bf16, v7 int8 on the CUDA cores; XL's K = 1600 and 6400, several tiles per block)."""
+    products summed in the same order as the MAXB=8 module's at the same launch shape (the batch-1 UNROLL behind
+    the LayerNorm, ops._v5_unroll), so the same bits, for every fusion and gemv_qkv (v5 fp32, v6 bf16, v7 int8
+    on the CUDA cores; XL's K = 1600 and 6400, several tiles per block)."""
     from step4_gpt2 import ops
     C, H, L = 1600, 25, 3
     rng = np.random.default_rng(37)
@@ -819,7 +820,9 @@ def test_the_batch_1_module_gives_the_maxb_modules_bits(cp, kind, monkeypatch):
 
     with ops.tensor_cores(False):                                # int8 rows of 1600 would take v9 at batch 1
         batch1 = run()
+        unroll = ops._v5_unroll
         monkeypatch.setattr(ops, "gemv_module", lambda B: ops.MAXB)
+        monkeypatch.setattr(ops, "_v5_unroll", lambda u, ln, maxb, per_load=4: unroll(u, ln, 1, per_load))
         maxb = run()
     for (name, got), (_, want) in zip(batch1, maxb):
         np.testing.assert_array_equal(got, want, err_msg=f"{kind} {name}: MAXB 1 vs MAXB {ops.MAXB}")
