@@ -264,7 +264,7 @@ def _runtime_include() -> Path:
 _PTXAS_FUNC = re.compile(r"Function properties for (\S+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
                          r"(\d+) bytes spill loads", re.S)
 _PTXAS_USED = re.compile(r"Compiling entry function '(\S+)'.*?Used (\d+) registers(?:, used \d+ barriers)?"
-                         r"(?:, (\d+) bytes smem)?", re.S)
+                         r"(?:, \d+ bytes cumulative stack size)?(?:, (\d+) bytes smem)?", re.S)
 
 
 def compile_offline(path: str | os.PathLike, arch: int = 90, defines: dict | None = None,

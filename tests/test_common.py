@@ -144,6 +144,15 @@ def test_offline_compile_leaves_the_interpreter_intact():
     assert b" " == bytes([32]) and b" ".decode() == " "
 
 
+def test_the_ptxas_report_reads_shared_memory_after_a_stack_size():
+    """A kernel that spills gets "N bytes cumulative stack size" between its registers and its shared memory."""
+    from common.kernels import _PTXAS_USED
+    line = "ptxas info    : Used 48 registers, used 1 barriers, {}384 bytes smem"
+    for stack in ("", "8 bytes cumulative stack size, "):
+        m = _PTXAS_USED.search("ptxas info    : Compiling entry function 'k' for 'sm_90'\n" + line.format(stack))
+        assert (m[1], m[2], m[3]) == ("k", "48", "384"), stack
+
+
 # --- the helpers every wrapper shares -----------------------------------------------------------------------
 
 def test_expect_choice_names_the_argument_and_the_choices():
