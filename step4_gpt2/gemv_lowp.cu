@@ -60,8 +60,8 @@
 // 1 never uses (sm_90, int8: 165-173 per lane, 102-128 at MAXB=1), so fewer blocks are resident and a large
 // matrix takes more rounds of tiles. x is read the same way in both: from shared memory behind the LayerNorm
 // prologue, else with __ldg inside the FMA loop. Copying x to shared memory without LN too would delay every
-// block's first FMA until the whole row has arrived, and was not faster. Each sum adds the same products in
-// the same order either way.
+// block's first FMA until the whole row has arrived, and was not faster. At the same launch shape, each sum
+// adds the same products in the same order either way.
 #include "course.cuh"
 #include "pdl.cuh"
 #include "lowp.cuh"         // word, bf16x4_to_float4, i8x4_to_float4, i8x2_to_half2: the widening

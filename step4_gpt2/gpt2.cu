@@ -33,8 +33,8 @@
 //                       At batch 1 ops launches a module compiled with MAXB=1: acc[ROWS][MAXB] and the batch
 //                       loop shrink to one row (sm_90: 80-108 registers instead of 122-128), more blocks are
 //                       resident, and with no branch on b < B and continue (not break) past a lane's slice,
-//                       x's loads can issue ahead of the FMAs (staging x in shared memory was slower). The
-//                       same products, summed in the same order.
+//                       x's loads can issue ahead of the FMAs (staging x in shared memory was slower). At the
+//                       same launch shape, the same products summed in the same order.
 //   argmax_v1           greedy choice per row (first index on ties, like torch.argmax), and optionally
 //                       advance each sequence's position, all on the device.
 //   argmax_v2           the same with ARGMAX_BATCH 16-byte loads in flight per thread (v1 waits for one

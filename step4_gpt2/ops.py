@@ -61,7 +61,7 @@ V5_MAXWARPS = 8         # gemv_v5: at most 8 warps (256 threads) per block, its 
 GEMV_THREADS = 128      # gemv_v3: 4 warps, each its own ROWS rows
 V5_BLOCKS_PER_SM = 16   # gemv_v5: grid cap; bigger matrices (the LM head) loop over row tiles
 V5_LN_BLOCKS_PER_SM = 4  # ... with a LayerNorm prologue over > 2 rows: fewer blocks, each normalising once
-V5_LN1_WEIGHTS = 8      # ... over 1 row: weights a lane loads per row (fewer a lane, more warps share the row)
+V5_LN1_WEIGHTS = 8      # ... over 1 row: weights a lane loads per row, at least one 16-byte load (more warps)
 ARGMAX_BATCH = 4        # argmax_v2: 16-byte loads in flight per thread
 GEMV_VERSIONS = (1, 2, 3, 4, 5)   # fp32 weights (gpt2.cu)
 GEMV_LOWP_VERSIONS = (6, 7, 8, 9)  # bf16 and int8 weights (gemv_lowp.cu): v5's design (6, 7), on tensor cores (8, 9)
@@ -427,7 +427,7 @@ def lowp_format(dtype, K: int, has_scale: bool, version=None) -> tuple[str, int]
 
 def lowp_version(kind: str, B: int, K: int, *, rows: int = V5_ROWS, unroll: int | None = None) -> int:
     """The GEMV for B rows of K bf16/int8 weights given no version: v8/v9 (tensor cores; 8 warps share a tile) from
-    2 rows on and at 1 row where v6/v7's block would be one warp, if the GPU has them; else v6/v7 (x in fp32)."""
+    2 rows on and at 1 row where v6/v7's block would be one warp at V5_UNROLL, if the GPU has them; else v6/v7."""
     tc = _switch["tensor_cores"] and rows == V5_ROWS and unroll in (None, V5_UNROLL) and \
         (B > 1 or _v5_warps(K, V5_UNROLL, LOWP_PER_LOAD[kind]) == 1)
     return TC_VERSION[kind] if tc and device_info()["sm"] >= TC_ARCH[kind] else LOWP_VERSION[kind]

@@ -18,7 +18,7 @@ The napkin math the sweep tests (GPT-2 XL's 1600-wide rows, an H100/H200 of 132 
   (c_attn, c_proj) can gain, one that needs more waves (the LM head) needs more round trips. More ROWS keep the
   bytes per register and share each x load among more rows, with fewer, larger blocks.
 Neither way is clear on paper, so the course keeps v5's ROWS and UNROLL for bf16 and int8, and this measures; but
-a lone row behind the LayerNorm prologue takes 8 weights a lane (ops.V5_LN1_WEIGHTS), whatever the format: the
+a lone row behind the LayerNorm prologue takes 8 weights a lane (ops.V5_LN1_WEIGHTS; int8: one load, 16): the
 warps that share the row's normalisation are what the whole decode step measured faster with.
 """
 from __future__ import annotations

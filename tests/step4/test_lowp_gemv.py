@@ -404,10 +404,10 @@ def test_every_gemv_wrapper_launches_the_batch_1_module_at_batch_1(monkeypatch, 
     """ops.gemv and ops.gemv_qkv, fp32 (v5), bf16 (v6 / v8) and int8 (v7 / v9), every fusion: the kernel comes
     from the module gemv_module picks (MAXB 1 at batch 1, MAXB for more rows), bf16/int8 from the tensor-core
     version for more rows and at batch 1 for short rows, the CUDA-core one at batch 1 for long rows (lowp_version,
-    on an sm_90 stand-in), and the launches cover the B rows. Run on the CPU, the arrays' checks and the launch
-    stubbed."""
+    on an sm_90 stand-in), and the launches cover the B rows; a CUDA-core kernel is launched with the UNROLL its
+    module was compiled for (_v5_unroll's). Run on the CPU, the arrays' checks and the launch stubbed."""
     from step4_gpt2 import ops
-    asked, launched = [], []
+    asked, launched, compiled, called = [], [], [], []
     monkeypatch.setattr(ops, "expect_array", lambda a, *args, **kw: a)
     monkeypatch.setattr(ops, "out_array", lambda out, shape, **kw: out)
     monkeypatch.setattr(ops, "_index_vector", lambda a, name, n: a)
@@ -418,12 +418,13 @@ def test_every_gemv_wrapper_launches_the_batch_1_module_at_batch_1(monkeypatch, 
 
     def kernel(name, rows=4, unroll=4, maxb=ops.MAXB):
         asked.append(maxb)
+        compiled.append(unroll)
         names.append(name.split("<")[0])
         return types.SimpleNamespace(name=name, shared_size_bytes=2048)
     monkeypatch.setattr(ops, "kernel", kernel)
     monkeypatch.setattr(ops, "lowp_kernel", kernel)
     monkeypatch.setattr(ops, "_v5_call", lambda fn, N, K, nb, ln, args, rows=4, unroll=4, per_load=4:
-                        launched.append(nb))
+                        (launched.append(nb), called.append(unroll)))
     monkeypatch.setattr(ops, "_tc_call", lambda fn, N, K, nb, ln, kind, args: launched.append(nb))
     H, L = 2, 4
     wdt = {"fp32": np.float32, "bf16": np.uint16, "int8": np.int8}[kind]
@@ -432,17 +433,26 @@ def test_every_gemv_wrapper_launches_the_batch_1_module_at_batch_1(monkeypatch, 
         want = 1 if B == 1 else ops.MAXB
         version = 5 if kind == "fp32" else (ops.LOWP_VERSION if B == 1 and C > 64 else ops.TC_VERSION)[kind]
         x, bias, g = _Fake((B, C)), _Fake((3 * C,)), _Fake((C,))
+        per_load = ops.LOWP_PER_LOAD.get(kind, 4)
+
+        def same_unroll(ln):
+            if version in (5, 6, 7):
+                assert set(called) == set(compiled) == {ops._v5_unroll(None, ln is not None, want, per_load)}, \
+                    (B, ln, called, compiled)
+            compiled.clear(), called.clear()
         for ln in (None, (g, g)):
             for fusion in ({}, {"gelu": True}, {"residual": True}):
                 asked.clear(), launched.clear(), names.clear()
                 ops.gemv(x, _Fake((3 * C, C), wdt), bias, out=_Fake((B, 3 * C)), ln=ln, scale=scale, **fusion)
                 assert asked == [want] and sum(launched) == B and max(launched) <= want, (B, ln, fusion)
                 assert names == [f"gemv_v{version}"], (B, names)
+                same_unroll(ln)
             asked.clear(), launched.clear(), names.clear()
             ops.gemv_qkv(x, _Fake((3 * C, C), wdt), bias, _Fake((B, C)), _Fake((B, H, L, C // H)),
                          _Fake((B, H, L, C // H)), _Fake((B,), np.int32), ln=ln, scale=scale)
             assert asked == [want] and sum(launched) == B and max(launched) <= want, (B, ln, "qkv")
             assert names == [f"gemv_v{version}"], (B, names)
+            same_unroll(ln)
 
 
 # ============================================================================ CPU: the launch-shape lab

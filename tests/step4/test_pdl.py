@@ -326,16 +326,19 @@ def test_the_textual_check_catches_what_it_claims_to(body, says):
 
 def test_the_decode_kernels_have_the_instructions_on_sm_90():
     """What the compiler made of it, in the PTX for compute_90 of every instantiation the wrappers launch (with
-    ops.py's defines, MAXB 8 and the batch-1 module's MAXB 1): griddepcontrol.wait and .launch_dependents are
-    there (pdl.cu's test shows them absent below sm_90), and the v5 / v6 / v7 GEMVs issue all ROWS x UNROLL
-    streamed weight loads of their first tile (ld.global.cs) before the wait, v8 / v9 their TC_ROWS / 8 tiles x
-    TC_UNROLL. ptxas may still schedule them
-    later; only a profile on the GPU shows that."""
+    ops.py's defines, MAXB 8 and the batch-1 module's MAXB 1, this one also at its LayerNorm UNROLL):
+    griddepcontrol.wait and .launch_dependents are there (pdl.cu's test shows them absent below sm_90), and the
+    v5 / v6 / v7 GEMVs issue all ROWS x UNROLL streamed weight loads of their first tile (ld.global.cs) before the
+    wait, v8 / v9 their TC_ROWS / 8 tiles x TC_UNROLL. ptxas may still schedule them later; only a profile on the
+    GPU shows that."""
     from step4_gpt2 import ops
     wanted = {ops.CU: [n for n in ops.KERNEL_NAMES if n.split("<")[0] in DECODE_KERNELS["step4_gpt2/gpt2.cu"]],
               ops.LOWP_CU: [n for n in ops.LOWP_KERNEL_NAMES if n.startswith("gemv_v")]}
+    ln1 = {p: ops._v5_unroll(None, True, 1, p) for p in (4, 8)}          # batch 1 behind the LayerNorm: its own UNROLL
     launched = [(ops.CU, ops.defines(ops.V5_ROWS, maxb=m)) for m in (ops.MAXB, 1)] + \
-        [(ops.LOWP_CU, {**ops.lowp_defines(maxb=m), **ops.tc_defines(m)}) for m in (ops.MAXB, 1)]   # gemv_module's
+        [(ops.LOWP_CU, {**ops.lowp_defines(maxb=m), **ops.tc_defines(m)}) for m in (ops.MAXB, 1)] + \
+        [(ops.CU, ops.defines(ops.V5_ROWS, ln1[4], 1)), (ops.LOWP_CU, {**ops.lowp_defines(unroll=ln1[8], maxb=1),
+                                                                      **ops.tc_defines(1)})]   # gemv_module's
     for path, d in launched:
         names = wanted[path]
         entries = _ptx_entries(path, 90, names, d)
